@@ -1,0 +1,29 @@
+"""tfdls: dynamic loss scaling for TensorFlow and Keras 3."""
+
+__version__ = "0.1.0"
+
+from tfdls import _requirements
+
+_requirements.check()
+
+from tfdls.finite import all_finite  # noqa: E402
+from tfdls.loss_scale import (  # noqa: E402
+    DynamicLossScale,
+    FixedLossScale,
+    LossScale,
+    deserialize,
+    get,
+    serialize,
+)
+from tfdls.optimizer import LossScaleOptimizer  # noqa: E402
+
+__all__ = [
+    "DynamicLossScale",
+    "FixedLossScale",
+    "LossScale",
+    "LossScaleOptimizer",
+    "all_finite",
+    "deserialize",
+    "get",
+    "serialize",
+]

@@ -1,0 +1,402 @@
+"""Loss scales: a small state machine that keeps float16 gradients in range.
+
+A loss scale multiplies the loss before differentiation, so that small
+gradients do not underflow in float16, and decides after each step whether the
+gradients are usable. Every loss scale has the same interface:
+
+* ``loss_scale()`` - the current scale, a float32 scalar tensor;
+* ``loss_scale.update(grads)`` - returns ``(update_op, should_apply_gradients)``;
+* ``get_config()`` / ``Class.from_config(config)``.
+"""
+
+import abc
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from tfdls import _distribute
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_scale(name, value, allow_none=False):
+    """Validates a positive, finite, float32-representable scale argument."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"`{name}` must be a positive number; got {name}={value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive, finite number; got {name}={value!r}")
+    if value > _FLOAT32_MAX or np.float32(value) == 0:
+        raise ValueError(
+            f"`{name}` must be representable as a positive finite float32; got {name}={value!r}"
+        )
+    return value
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"`{name}` must be an int >= {minimum}; got {name}={value!r}")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}; got {name}={value!r}")
+    return int(value)
+
+
+def _state_variable(name, initial_value, dtype):
+    # ONLY_FIRST_REPLICA: every replica computes the same new value (the
+    # finiteness decision is all-reduced first), so any copy may be written,
+    # and the variable may be assigned in replica context.
+    return tf.Variable(
+        initial_value,
+        name=name,
+        dtype=dtype,
+        trainable=False,
+        synchronization=tf.VariableSynchronization.ON_WRITE,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    )
+
+
+class LossScale(tf.Module, metaclass=abc.ABCMeta):
+    """Base class of loss scales: a `tf.Module` whose state is `tf.Variable`s.
+
+    Subclasses implement `__call__`, `update` and `get_config`.
+    """
+
+    @abc.abstractmethod
+    def __call__(self):
+        """Returns the current loss scale as a float32 scalar tensor."""
+
+    @abc.abstractmethod
+    def update(self, grads):
+        """Updates the state from this step's (scaled) gradients.
+
+        Args:
+            grads: a nest of gradient tensors, `tf.IndexedSlices` or `None`.
+
+        Returns:
+            `(update_op, should_apply_gradients)`: the op that updated the
+            state (`None` in eager mode) and whether the gradients may be
+            applied (a scalar bool tensor, or the Python bool `True`).
+        """
+
+    @abc.abstractmethod
+    def get_config(self):
+        """Returns the constructor arguments as a JSON-friendly dict."""
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+class FixedLossScale(LossScale):
+    """A loss scale that never changes; every step's gradients are applied.
+
+    Args:
+        loss_scale_value: the constant scale, a positive finite number.
+
+    Example:
+
+    >>> ls = tfdls.FixedLossScale(128.0)
+    >>> float(ls())
+    128.0
+    >>> ls.update([tf.constant(float("inf"))])[1]
+    True
+    """
+
+    def __init__(self, loss_scale_value, name=None):
+        super().__init__(name=name)
+        self._loss_scale_value = _check_scale("loss_scale_value", loss_scale_value)
+
+    @property
+    def loss_scale_value(self):
+        return self._loss_scale_value
+
+    def __call__(self):
+        return tf.constant(self._loss_scale_value, dtype=tf.float32)
+
+    def update(self, grads):
+        del grads
+        # A Python True lets callers skip the tf.cond entirely.
+        return tf.no_op(), True
+
+    def get_config(self):
+        return {"loss_scale_value": self._loss_scale_value}
+
+    def __repr__(self):
+        return f"FixedLossScale({self._loss_scale_value})"
+
+
+class DynamicLossScale(LossScale):
+    """A loss scale that grows while gradients are finite and shrinks on overflow.
+
+    State: scale ``s``, good-step counter ``g`` and hysteresis budget ``h``
+    (starts at ``hysteresis``). Each ``update(grads)`` does::
+
+        if all gradients are finite:
+            g += 1
+            if g >= increment_period:
+                c = s * multiplier
+                if max_loss_scale is set: c = min(c, max_loss_scale)
+                if c is finite: s = c        # an infinite product keeps s
+                g = 0
+                h = hysteresis
+            should_apply = True
+        else:
+            g = 0
+            h -= 1
+            if h <= 0:
+                if backoff_factor is set: s = max(s * backoff_factor, min_loss_scale)
+                else:                     s = max(s / multiplier, min_loss_scale)
+            should_apply = False
+
+    With every keyword-only argument at its default this is, bit for bit, the
+    TensorFlow 2.4 ``tf.mixed_precision.experimental.DynamicLossScale``. The
+    scale can never become 0, inf or NaN: it stays within
+    ``[min_loss_scale, max_loss_scale]``.
+
+    Two counters are kept for monitoring (they do not affect the algorithm):
+    ``num_skipped_steps`` (total steps with non-finite gradients) and
+    ``steps_since_overflow``.
+
+    Args:
+        initial_loss_scale: the starting scale. Start high: a scale that is too
+            high falls by ``multiplier`` per step, one that is too low rises
+            only once per ``increment_period`` steps.
+        increment_period: grow after this many consecutive finite steps.
+        multiplier: growth factor (> 1); also the shrink divisor unless
+            ``backoff_factor`` is given.
+        backoff_factor: optional shrink factor in (0, 1), as in PyTorch.
+        min_loss_scale: the scale never falls below this (may be far below 1).
+        max_loss_scale: optional cap on growth.
+        hysteresis: how many overflow steps (since the last growth) it takes
+            to shrink the scale; 1 shrinks on every overflow.
+
+    Example:
+
+    >>> ls = tfdls.DynamicLossScale(initial_loss_scale=8.0, increment_period=2)
+    >>> _ = ls.update([tf.constant(1.0)]); _ = ls.update([tf.constant(1.0)])
+    >>> float(ls())
+    16.0
+    >>> _, should_apply = ls.update([tf.constant(float("nan"))])
+    >>> bool(should_apply), float(ls())
+    (False, 8.0)
+    """
+
+    def __init__(
+        self,
+        initial_loss_scale=2**15,
+        increment_period=2000,
+        multiplier=2.0,
+        *,
+        backoff_factor=None,
+        min_loss_scale=1.0,
+        max_loss_scale=None,
+        hysteresis=1,
+        name=None,
+    ):
+        super().__init__(name=name)
+        self._initial_loss_scale = _check_scale("initial_loss_scale", initial_loss_scale)
+        self._increment_period = _check_int("increment_period", increment_period, 1)
+        self._multiplier = _check_scale("multiplier", multiplier)
+        if self._multiplier <= 1:
+            raise ValueError(f"`multiplier` must be > 1; got multiplier={multiplier!r}")
+        if backoff_factor is not None:
+            if isinstance(backoff_factor, bool) or not isinstance(
+                backoff_factor, (int, float, np.number)
+            ):
+                raise TypeError(
+                    "`backoff_factor` must be a number in (0, 1) or None; "
+                    f"got backoff_factor={backoff_factor!r}"
+                )
+            if not 0 < float(backoff_factor) < 1:
+                raise ValueError(
+                    "`backoff_factor` must be in (0, 1); "
+                    f"got backoff_factor={backoff_factor!r}"
+                )
+            backoff_factor = float(backoff_factor)
+        self._backoff_factor = backoff_factor
+        self._min_loss_scale = _check_scale("min_loss_scale", min_loss_scale)
+        self._max_loss_scale = _check_scale("max_loss_scale", max_loss_scale, allow_none=True)
+        if self._max_loss_scale is not None and self._max_loss_scale < self._min_loss_scale:
+            raise ValueError(
+                f"`max_loss_scale` must be >= min_loss_scale={self._min_loss_scale}; "
+                f"got max_loss_scale={max_loss_scale!r}"
+            )
+        self._hysteresis = _check_int("hysteresis", hysteresis, 1)
+        if self._initial_loss_scale < self._min_loss_scale:
+            raise ValueError(
+                f"`initial_loss_scale` must be >= min_loss_scale={self._min_loss_scale}; "
+                f"got initial_loss_scale={initial_loss_scale!r}"
+            )
+        if self._max_loss_scale is not None and self._initial_loss_scale > self._max_loss_scale:
+            raise ValueError(
+                f"`initial_loss_scale` must be <= max_loss_scale={self._max_loss_scale}; "
+                f"got initial_loss_scale={initial_loss_scale!r}"
+            )
+
+        with self.name_scope:
+            self.current_loss_scale = _state_variable(
+                "current_loss_scale", self._initial_loss_scale, tf.float32
+            )
+            # Consecutive finite steps since the last overflow or growth.
+            self.num_good_steps = _state_variable("good_steps", 0, tf.int64)
+            # Overflows still tolerated before the scale shrinks.
+            self.hysteresis_budget = _state_variable(
+                "hysteresis_budget", self._hysteresis, tf.int64
+            )
+            # Monitoring only: never read by the algorithm.
+            self.num_skipped_steps_variable = _state_variable("skipped_steps", 0, tf.int64)
+            self.steps_since_overflow_variable = _state_variable(
+                "steps_since_overflow", 0, tf.int64
+            )
+
+    initial_loss_scale = property(lambda self: self._initial_loss_scale)
+    increment_period = property(lambda self: self._increment_period)
+    multiplier = property(lambda self: self._multiplier)
+    backoff_factor = property(lambda self: self._backoff_factor)
+    min_loss_scale = property(lambda self: self._min_loss_scale)
+    max_loss_scale = property(lambda self: self._max_loss_scale)
+    hysteresis = property(lambda self: self._hysteresis)
+
+    @property
+    def num_skipped_steps(self):
+        """Total number of steps skipped for non-finite gradients (int64 tensor)."""
+        return tf.convert_to_tensor(self.num_skipped_steps_variable)
+
+    @property
+    def steps_since_overflow(self):
+        """Steps since the last skipped step, or since the start (int64 tensor)."""
+        return tf.convert_to_tensor(self.steps_since_overflow_variable)
+
+    def __call__(self):
+        return tf.convert_to_tensor(self.current_loss_scale)
+
+    def update(self, grads):
+        is_finite = _distribute.agreed_all_finite(grads)
+        return self.update_from_decision(is_finite), is_finite
+
+    def update_from_decision(self, is_finite):
+        """Advances the state machine given an already-agreed finiteness flag.
+
+        Branch-free: both outcomes are computed on a handful of scalars and
+        selected with `tf.where`, so there is no `tf.cond` (cheap under XLA,
+        and safe to run in replica context under any strategy).
+        """
+        s = tf.convert_to_tensor(self.current_loss_scale)
+        g = tf.convert_to_tensor(self.num_good_steps)
+        h = tf.convert_to_tensor(self.hysteresis_budget)
+        multiplier = tf.constant(self._multiplier, tf.float32)
+
+        # Finite gradients.
+        g_plus_one = g + 1
+        grow = g_plus_one >= self._increment_period
+        grown = s * multiplier
+        if self._max_loss_scale is not None:
+            grown = tf.minimum(grown, self._max_loss_scale)
+        grown = tf.where(tf.math.is_finite(grown), grown, s)
+        s_finite = tf.where(grow, grown, s)
+        g_finite = tf.where(grow, tf.zeros_like(g), g_plus_one)
+        h_finite = tf.where(grow, tf.constant(self._hysteresis, tf.int64), h)
+
+        # Non-finite gradients.
+        h_overflow = h - 1
+        if self._backoff_factor is None:
+            # Division (not a multiply by 1/multiplier) to match the seed bit for bit.
+            shrunk = s / multiplier
+        else:
+            shrunk = s * tf.constant(self._backoff_factor, tf.float32)
+        shrunk = tf.maximum(shrunk, self._min_loss_scale)
+        s_overflow = tf.where(h_overflow <= 0, shrunk, s)
+
+        skipped = tf.convert_to_tensor(self.num_skipped_steps_variable)
+        since = tf.convert_to_tensor(self.steps_since_overflow_variable)
+        return tf.group(
+            self.current_loss_scale.assign(tf.where(is_finite, s_finite, s_overflow)),
+            self.num_good_steps.assign(tf.where(is_finite, g_finite, tf.zeros_like(g))),
+            self.hysteresis_budget.assign(tf.where(is_finite, h_finite, h_overflow)),
+            self.num_skipped_steps_variable.assign(
+                tf.where(is_finite, skipped, skipped + 1)
+            ),
+            self.steps_since_overflow_variable.assign(
+                tf.where(is_finite, since + 1, tf.zeros_like(since))
+            ),
+        )
+
+    def get_config(self):
+        return {
+            "initial_loss_scale": self._initial_loss_scale,
+            "increment_period": self._increment_period,
+            "multiplier": self._multiplier,
+            "backoff_factor": self._backoff_factor,
+            "min_loss_scale": self._min_loss_scale,
+            "max_loss_scale": self._max_loss_scale,
+            "hysteresis": self._hysteresis,
+        }
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        if tf.executing_eagerly():
+            args = f"current_loss_scale={float(self.current_loss_scale.numpy())}, " + args
+        return f"DynamicLossScale({args})"
+
+
+_CLASSES = {"FixedLossScale": FixedLossScale, "DynamicLossScale": DynamicLossScale}
+
+
+def serialize(loss_scale):
+    """Returns `{"class_name": ..., "config": ...}` for a loss scale."""
+    if not isinstance(loss_scale, LossScale):
+        raise TypeError(f"`loss_scale` must be a tfdls.LossScale; got loss_scale={loss_scale!r}")
+    return {"class_name": type(loss_scale).__name__, "config": loss_scale.get_config()}
+
+
+def deserialize(config):
+    """Builds a loss scale from the output of `serialize`."""
+    if not isinstance(config, dict) or "class_name" not in config:
+        raise ValueError(
+            "`config` must be a dict with 'class_name' and 'config' keys, as returned "
+            f"by tfdls.serialize; got config={config!r}"
+        )
+    cls = _CLASSES.get(config["class_name"])
+    if cls is None:
+        raise ValueError(
+            f"Unknown loss scale class_name={config['class_name']!r}; "
+            f"expected one of {sorted(_CLASSES)}"
+        )
+    return cls.from_config(dict(config.get("config", {})))
+
+
+def get(identifier):
+    """Returns a loss scale for `identifier`.
+
+    Args:
+        identifier: ``"dynamic"`` (a default `DynamicLossScale`), a positive
+            number (a `FixedLossScale`), a dict from `serialize`, or a
+            `LossScale` (returned as is).
+
+    Example:
+
+    >>> tfdls.get("dynamic")
+    DynamicLossScale(...)
+    >>> tfdls.get(1024)
+    FixedLossScale(1024.0)
+    """
+    if isinstance(identifier, LossScale):
+        return identifier
+    if isinstance(identifier, str):
+        if identifier == "dynamic":
+            return DynamicLossScale()
+        raise ValueError(
+            f"Unknown loss scale identifier={identifier!r}; expected 'dynamic', a "
+            "positive number, a config dict or a tfdls.LossScale"
+        )
+    if isinstance(identifier, dict):
+        return deserialize(identifier)
+    if isinstance(identifier, (int, float, np.number)) and not isinstance(identifier, bool):
+        return FixedLossScale(identifier)
+    raise ValueError(
+        f"Could not interpret loss scale identifier={identifier!r}; expected 'dynamic', "
+        "a positive number, a config dict or a tfdls.LossScale"
+    )

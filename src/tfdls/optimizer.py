@@ -1,0 +1,262 @@
+"""`LossScaleOptimizer`: dynamic loss scaling around any Keras 3 optimizer."""
+
+import threading
+
+import keras
+import tensorflow as tf
+from keras.src.saving import serialization_lib
+from keras.src.utils import tracking
+
+from tfdls import _distribute
+from tfdls import loss_scale as loss_scale_lib
+
+_KERAS_STYLE_KEYWORDS = ("initial_scale", "dynamic_growth_steps", "dynamic")
+# Float types with less range than float32 are unscaled in float32: the
+# reciprocal of a large scale is not representable in float16.
+_NARROW_FLOATS = (tf.float16, tf.bfloat16)
+
+
+def _check_inner_optimizer(inner_optimizer):
+    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "`inner_optimizer` is already a loss-scale optimizer "
+            f"({type(inner_optimizer).__module__}.{type(inner_optimizer).__name__}); "
+            "wrap the plain optimizer instead, or scaling happens twice."
+        )
+    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+        hint = ""
+        if isinstance(inner_optimizer, str):
+            hint = f" Use keras.optimizers.get({inner_optimizer!r}) to build one."
+        elif "tf_keras" in type(inner_optimizer).__module__:
+            hint = " tf_keras (Keras 2) optimizers are not supported; use keras.optimizers."
+        raise TypeError(
+            "`inner_optimizer` must be a Keras 3 optimizer (an instance of "
+            f"keras.optimizers.Optimizer); got inner_optimizer={inner_optimizer!r}.{hint}"
+        )
+    if inner_optimizer.loss_scale_factor is not None:
+        raise ValueError(
+            "`inner_optimizer` has its own loss_scale_factor="
+            f"{inner_optimizer.loss_scale_factor!r}; it would scale the loss a second "
+            "time. Set loss_scale_factor=None on it and give the scale to "
+            "LossScaleOptimizer(loss_scale=...) instead."
+        )
+
+
+def _build_loss_scale(loss_scale, keras_style):
+    """Resolves the two argument styles into one `LossScale`."""
+    if keras_style and loss_scale is not None:
+        raise ValueError(
+            "Give either `loss_scale` or the Keras-style keywords "
+            f"{sorted(keras_style)}, not both; got loss_scale={loss_scale!r} and "
+            + ", ".join(f"{k}={v!r}" for k, v in sorted(keras_style.items()))
+        )
+    if not keras_style:
+        return loss_scale_lib.get("dynamic" if loss_scale is None else loss_scale)
+    initial_scale = keras_style.get("initial_scale", 2.0**15)
+    if keras_style.get("dynamic", True):
+        return loss_scale_lib.DynamicLossScale(
+            initial_loss_scale=initial_scale,
+            increment_period=keras_style.get("dynamic_growth_steps", 2000),
+        )
+    if "dynamic_growth_steps" in keras_style:
+        raise ValueError(
+            "`dynamic_growth_steps` only applies to a dynamic loss scale; got "
+            f"dynamic=False and dynamic_growth_steps={keras_style['dynamic_growth_steps']!r}"
+        )
+    return loss_scale_lib.FixedLossScale(initial_scale)
+
+
+class _UnscaledMarks(threading.local):
+    """Per-thread flag: the next `apply` receives already-unscaled gradients.
+
+    Thread-local because MirroredStrategy runs each replica in its own thread.
+    """
+
+    pending = False
+
+
+@keras.saving.register_keras_serializable(package="tfdls")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Wraps a Keras 3 optimizer with (dynamic) loss scaling.
+
+    The loss is multiplied by the current scale before differentiation; the
+    gradients are multiplied by its reciprocal before the inner optimizer sees
+    them. A step whose gradients hold any NaN/Inf applies nothing (weights,
+    optimizer slots and `iterations` stay exactly as they were) and the loss
+    scale shrinks.
+
+    Args:
+        inner_optimizer: the `keras.optimizers.Optimizer` to wrap.
+        loss_scale: a `tfdls.LossScale`, ``"dynamic"`` (the default), a
+            positive number (a fixed scale) or a loss-scale config dict.
+        initial_scale, dynamic_growth_steps, dynamic: Keras / tf_keras style
+            alternative to `loss_scale` (``dynamic=False`` means a fixed scale
+            of `initial_scale`). Do not combine with `loss_scale`.
+        name: optional name.
+
+    A fixed loss scale never skips a step (as in TensorFlow 2.4).
+
+    Example, Keras 3 style (what `fit` does):
+
+    >>> opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam())
+    >>> with tf.GradientTape() as tape:
+    ...     loss = opt.scale_loss(compute_loss())
+    >>> opt.apply(tape.gradient(loss, model.trainable_variables),
+    ...           model.trainable_variables)   # unscales, checks, applies
+
+    Example, tf_keras / TF 2.4 style:
+
+    >>> with tf.GradientTape() as tape:
+    ...     scaled_loss = opt.get_scaled_loss(compute_loss())
+    >>> grads = opt.get_unscaled_gradients(tape.gradient(scaled_loss, variables))
+    >>> opt.apply_gradients(zip(grads, variables))  # not unscaled a second time
+    """
+
+    def __init__(self, inner_optimizer, loss_scale=None, name=None, **kwargs):
+        keras_style = {k: kwargs.pop(k) for k in _KERAS_STYLE_KEYWORDS if k in kwargs}
+        if kwargs:
+            raise TypeError(
+                f"LossScaleOptimizer got unexpected keyword arguments {sorted(kwargs)}; "
+                "optimizer options such as clipnorm or weight_decay belong on the "
+                "inner optimizer."
+            )
+        _check_inner_optimizer(inner_optimizer)
+        resolved = _build_loss_scale(loss_scale, keras_style)
+        # Skip keras.optimizers.LossScaleOptimizer.__init__: it would build a
+        # second, Keras-owned scale. Our state lives in `self.loss_scale`.
+        keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
+        self.inner_optimizer = inner_optimizer
+        self.loss_scale = resolved
+        self._unscaled_marks = _UnscaledMarks()
+
+    # -- pass-throughs --------------------------------------------------------
+
+    @property
+    def dynamic(self):
+        return isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale)
+
+    @property
+    def initial_scale(self):
+        if self.dynamic:
+            return self.loss_scale.initial_loss_scale
+        return self.loss_scale.loss_scale_value
+
+    @property
+    def dynamic_growth_steps(self):
+        return self.loss_scale.increment_period if self.dynamic else None
+
+    @property
+    def variables(self):
+        return self._variables + list(self.loss_scale.variables) + self.inner_optimizer.variables
+
+    @tracking.no_automatic_dependency_tracking
+    def build(self, var_list):
+        self.inner_optimizer.build(var_list)
+        # The generic Optimizer.build; Keras' LossScaleOptimizer.build would
+        # create its own scale variables.
+        super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
+
+    # -- scaling ----------------------------------------------------------------
+
+    def scale_loss(self, loss):
+        """Returns `loss * scale`: the hook Keras 3's `fit` calls."""
+        return keras.ops.multiply(loss, self.loss_scale())
+
+    def get_scaled_loss(self, loss):
+        """tf_keras style `scale_loss`; also accepts a zero-argument callable."""
+        if callable(loss):
+            return lambda: self.scale_loss(loss())
+        return self.scale_loss(loss)
+
+    def get_unscaled_gradients(self, grads):
+        """Divides gradients by the scale (tf_keras style).
+
+        The next `apply`/`apply_gradients` in this thread then takes its
+        gradients as already unscaled, so they are not divided twice.
+        """
+        unscaled = self._unscale(list(grads))
+        self._unscaled_marks.pending = True
+        return unscaled
+
+    def _unscale(self, grads):
+        # One reciprocal per step, then a multiply per gradient.
+        reciprocal = tf.math.reciprocal(self.loss_scale())
+        by_dtype = {}
+
+        def unscale(values):
+            if values.dtype in _NARROW_FLOATS:
+                return tf.cast(tf.cast(values, tf.float32) * reciprocal, values.dtype)
+            if values.dtype not in by_dtype:
+                by_dtype[values.dtype] = tf.cast(reciprocal, values.dtype)
+            return values * by_dtype[values.dtype]
+
+        result = []
+        for grad in grads:
+            if grad is None:
+                result.append(None)
+            elif isinstance(grad, tf.IndexedSlices):
+                result.append(tf.IndexedSlices(unscale(grad.values), grad.indices, grad.dense_shape))
+            else:
+                result.append(unscale(tf.convert_to_tensor(grad)))
+        return result
+
+    # -- applying -----------------------------------------------------------------
+
+    def apply_gradients(self, grads_and_vars):
+        grads, trainable_variables = zip(*grads_and_vars)
+        self.apply(grads, trainable_variables)
+        return self.iterations
+
+    def apply(self, grads, trainable_variables=None):
+        """Unscales `grads` (unless already unscaled), updates the loss scale,
+        and applies them with the inner optimizer iff all are finite."""
+        grads = list(grads)
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "apply() without `trainable_variables` needs a built optimizer; "
+                    "call optimizer.build(variables) first or pass the variables."
+                )
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(
+                f"Got {len(grads)} gradients for {len(trainable_variables)} variables; "
+                "they must match one to one."
+            )
+        if not grads:
+            return
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+
+        arrived_unscaled = self._unscaled_marks.pending
+        self._unscaled_marks.pending = False
+        if not arrived_unscaled:
+            grads = self._unscale(grads)
+
+        _, should_apply = self.loss_scale.update(grads)
+        if should_apply is True:  # a fixed scale: no condition to evaluate
+            self.inner_optimizer.apply(grads, trainable_variables)
+        else:
+            _distribute.apply_if(
+                should_apply, self.inner_optimizer.apply, (grads, trainable_variables)
+            )
+
+    # -- saving -------------------------------------------------------------------
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
+            "loss_scale": loss_scale_lib.serialize(self.loss_scale),
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = serialization_lib.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)
