@@ -6,6 +6,7 @@ from tfdls import _requirements
 
 _requirements.check()
 
+from tfdls.callbacks import LossScaleMonitor  # noqa: E402
 from tfdls.finite import all_finite  # noqa: E402
 from tfdls.loss_scale import (  # noqa: E402
     DynamicLossScale,
@@ -16,12 +17,16 @@ from tfdls.loss_scale import (  # noqa: E402
     serialize,
 )
 from tfdls.optimizer import LossScaleOptimizer  # noqa: E402
+from tfdls.overflow import LossScaleStuckError, OverflowReport  # noqa: E402
 
 __all__ = [
     "DynamicLossScale",
     "FixedLossScale",
     "LossScale",
+    "LossScaleMonitor",
     "LossScaleOptimizer",
+    "LossScaleStuckError",
+    "OverflowReport",
     "all_finite",
     "deserialize",
     "get",

@@ -12,7 +12,7 @@ Two questions need an answer that every replica shares:
 
 import tensorflow as tf
 
-from tfdls.finite import all_finite
+from tfdls.finite import finite_flags, gradient_values
 
 
 def _has_strategy():
@@ -23,33 +23,39 @@ def _has_strategy():
     )
 
 
-def _count_nonfinite(grads):
-    # tf.distribute reduces only SUM and MEAN, and no booleans: count the
-    # replicas that saw a non-finite gradient instead.
-    return tf.cast(tf.logical_not(all_finite(grads)), tf.float32)
+def agreed_nonfinite_counts(values):
+    """Per gradient, how many replicas saw a non-finite value (float vector).
+
+    `values` is a list of dense gradient tensors. Without a multi-replica
+    strategy this is 0.0/1.0 per gradient; in replica context it is
+    all-reduced (tf.distribute reduces only SUM/MEAN and no booleans, hence
+    the float count), so every replica (and worker) gets the same vector and
+    one replica's overflow is seen by all.
+    """
+    local = tf.cast(tf.logical_not(finite_flags(values)), tf.float32)
+    if not _has_strategy():
+        return local
+    if tf.distribute.in_cross_replica_context():
+        raise ValueError("agreed_nonfinite_counts() needs a replica context")
+    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, local)
 
 
 def agreed_all_finite(grads):
     """`all_finite(grads)`, agreed on by every replica.
 
-    In replica context the local answer is all-reduced (a count of replicas
-    that overflowed, which must be zero), so a single
-    non-finite gradient on any replica (or worker) makes the answer `False`
-    everywhere. In cross-replica context `grads` may hold per-replica values;
-    each replica's answer is computed and the same reduction applied.
+    Works in replica context (see `agreed_nonfinite_counts`) and in
+    cross-replica context, where `grads` may hold per-replica values: each
+    replica's answer is computed and the answers are reduced.
     """
-    if not _has_strategy():
-        return all_finite(grads)
-    if tf.distribute.in_cross_replica_context():
+    if _has_strategy() and tf.distribute.in_cross_replica_context():
         strategy = tf.distribute.get_strategy()
         per_replica = strategy.extended.call_for_each_replica(
-            _count_nonfinite, args=(grads,)
+            lambda g: tf.reduce_sum(agreed_nonfinite_counts(gradient_values(g))),
+            args=(grads,),
         )
         overflowed = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-    else:
-        context = tf.distribute.get_replica_context()
-        overflowed = context.all_reduce(tf.distribute.ReduceOp.SUM, _count_nonfinite(grads))
-    return tf.equal(overflowed, 0.0)
+        return tf.equal(overflowed, 0.0)
+    return tf.equal(tf.reduce_sum(agreed_nonfinite_counts(gradient_values(grads))), 0.0)
 
 
 def apply_if(should_apply, apply_fn, args=()):

@@ -25,6 +25,30 @@ def gradient_values(grads):
     return values
 
 
+def _check_floating(values):
+    for value in values:
+        if not value.dtype.is_floating:
+            raise TypeError(
+                "Gradients must be floating point; got a gradient of dtype "
+                f"{value.dtype.name}: {value!r}"
+            )
+
+
+def finite_flags(values):
+    """Returns a bool vector: entry `i` is True iff `values[i]` is all finite.
+
+    Args:
+        values: a list of dense float tensors (see `gradient_values`).
+
+    One `is_finite`+`reduce_all` per tensor, stacked into one vector; the
+    vector is what overflow attribution records and what replicas all-reduce.
+    """
+    _check_floating(values)
+    if not values:
+        return tf.ones([0], tf.bool)
+    return tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values])
+
+
 def all_finite(grads):
     """Returns a scalar bool tensor: `True` iff every gradient is finite.
 
@@ -42,20 +66,9 @@ def all_finite(grads):
     >>> tfdls.all_finite({"w": tf.constant([1.0, float("nan")])})
     <tf.Tensor: shape=(), dtype=bool, numpy=False>
 
-    The result is one fused reduction: each gradient contributes a single
-    boolean, and the booleans are combined by one `reduce_all`. Nothing is
-    read back to the host, so it is safe inside `tf.function` and XLA.
+    Each gradient contributes one boolean and a single `reduce_all` combines
+    them. Nothing is read back to the host, so it is safe inside
+    `tf.function` and XLA; `is_finite` is exact, so finite values (however
+    large) are never reported non-finite.
     """
-    values = gradient_values(grads)
-    for value in values:
-        if not value.dtype.is_floating:
-            raise TypeError(
-                "all_finite() expects floating-point gradients; got a "
-                f"gradient of dtype {value.dtype.name}: {value!r}"
-            )
-    if not values:
-        return tf.constant(True)
-    per_gradient = [tf.reduce_all(tf.math.is_finite(v)) for v in values]
-    if len(per_gradient) == 1:
-        return per_gradient[0]
-    return tf.reduce_all(tf.stack(per_gradient))
+    return tf.reduce_all(finite_flags(gradient_values(grads)))

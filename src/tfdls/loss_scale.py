@@ -44,7 +44,8 @@ def _check_int(name, value, minimum):
     return int(value)
 
 
-def _state_variable(name, initial_value, dtype):
+def state_variable(name, initial_value, dtype):
+    """A non-trainable state variable that replicas update in lockstep."""
     # ONLY_FIRST_REPLICA: every replica computes the same new value (the
     # finiteness decision is all-reduced first), so any copy may be written,
     # and the variable may be assigned in replica context.
@@ -237,18 +238,18 @@ class DynamicLossScale(LossScale):
             )
 
         with self.name_scope:
-            self.current_loss_scale = _state_variable(
+            self.current_loss_scale = state_variable(
                 "current_loss_scale", self._initial_loss_scale, tf.float32
             )
             # Consecutive finite steps since the last overflow or growth.
-            self.num_good_steps = _state_variable("good_steps", 0, tf.int64)
+            self.num_good_steps = state_variable("good_steps", 0, tf.int64)
             # Overflows still tolerated before the scale shrinks.
-            self.hysteresis_budget = _state_variable(
+            self.hysteresis_budget = state_variable(
                 "hysteresis_budget", self._hysteresis, tf.int64
             )
             # Monitoring only: never read by the algorithm.
-            self.num_skipped_steps_variable = _state_variable("skipped_steps", 0, tf.int64)
-            self.steps_since_overflow_variable = _state_variable(
+            self.num_skipped_steps_variable = state_variable("skipped_steps", 0, tf.int64)
+            self.steps_since_overflow_variable = state_variable(
                 "steps_since_overflow", 0, tf.int64
             )
 

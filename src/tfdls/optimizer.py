@@ -9,6 +9,8 @@ from keras.src.utils import tracking
 
 from tfdls import _distribute
 from tfdls import loss_scale as loss_scale_lib
+from tfdls import overflow
+from tfdls.finite import gradient_values
 
 _KERAS_STYLE_KEYWORDS = ("initial_scale", "dynamic_growth_steps", "dynamic")
 # Float types with less range than float32 are unscaled in float32: the
@@ -66,6 +68,13 @@ def _build_loss_scale(loss_scale, keras_style):
     return loss_scale_lib.FixedLossScale(initial_scale)
 
 
+def _in_xla_context():
+    """True while tracing inside an XLA-compiled function (no host calls there)."""
+    from tensorflow.python.ops import control_flow_util  # no public equivalent
+
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
 class _UnscaledMarks(threading.local):
     """Per-thread flag: the next `apply` receives already-unscaled gradients.
 
@@ -93,6 +102,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             alternative to `loss_scale` (``dynamic=False`` means a fixed scale
             of `initial_scale`). Do not combine with `loss_scale`.
         name: optional name.
+        overflow_attribution: record, on the device, which variables had
+            non-finite gradients in the last skipped step (see
+            `last_overflow()`). On by default; it costs a few scalar ops.
+        min_scale_policy: what to do when a step overflows although the
+            dynamic scale is already at `min_loss_scale`: ``"warn"`` (once,
+            with the step and variable names), ``"raise"``
+            (`tfdls.LossScaleStuckError`) or ``"ignore"``. Inside an XLA
+            (``jit_compile``) step the host cannot be called, so there the
+            policy is applied by `check_min_scale_policy()`, which
+            `tfdls.LossScaleMonitor` calls at its logging frequency.
 
     A fixed loss scale never skips a step (as in TensorFlow 2.4).
 
@@ -112,7 +131,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     >>> opt.apply_gradients(zip(grads, variables))  # not unscaled a second time
     """
 
-    def __init__(self, inner_optimizer, loss_scale=None, name=None, **kwargs):
+    def __init__(
+        self,
+        inner_optimizer,
+        loss_scale=None,
+        name=None,
+        *,
+        overflow_attribution=True,
+        min_scale_policy="warn",
+        **kwargs,
+    ):
         keras_style = {k: kwargs.pop(k) for k in _KERAS_STYLE_KEYWORDS if k in kwargs}
         if kwargs:
             raise TypeError(
@@ -122,12 +150,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
         _check_inner_optimizer(inner_optimizer)
         resolved = _build_loss_scale(loss_scale, keras_style)
+        if not isinstance(overflow_attribution, bool):
+            raise TypeError(
+                "`overflow_attribution` must be True or False; "
+                f"got overflow_attribution={overflow_attribution!r}"
+            )
+        policy = overflow.MinScalePolicy(min_scale_policy)
         # Skip keras.optimizers.LossScaleOptimizer.__init__: it would build a
         # second, Keras-owned scale. Our state lives in `self.loss_scale`.
         keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         self.loss_scale = resolved
+        self.overflow_attribution = overflow_attribution
+        self._min_scale_policy = policy
         self._unscaled_marks = _UnscaledMarks()
+        self._stuck_overflows_seen = 0
 
     # -- pass-throughs --------------------------------------------------------
 
@@ -155,6 +192,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # The generic Optimizer.build; Keras' LossScaleOptimizer.build would
         # create its own scale variables.
         super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
+        # Diagnostics only (not checkpointed): which variables overflowed in
+        # the last skipped step, at which step, and how many overflows
+        # happened with the scale already at its minimum.
+        self._variable_names = [getattr(v, "path", None) or v.name for v in var_list]
+        with tf.name_scope(self.name):
+            self._overflow_mask = loss_scale_lib.state_variable(
+                "overflow_mask", tf.zeros([len(var_list)], tf.bool), tf.bool
+            )
+            self._last_overflow_step = loss_scale_lib.state_variable(
+                "last_overflow_step", -1, tf.int64
+            )
+            self._stuck_overflows = loss_scale_lib.state_variable(
+                "stuck_overflows", 0, tf.int64
+            )
 
     # -- scaling ----------------------------------------------------------------
 
@@ -236,13 +287,106 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not arrived_unscaled:
             grads = self._unscale(grads)
 
-        _, should_apply = self.loss_scale.update(grads)
+        if isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale):
+            should_apply = self._update_dynamic_scale(grads, trainable_variables)
+        else:
+            _, should_apply = self.loss_scale.update(grads)
         if should_apply is True:  # a fixed scale: no condition to evaluate
             self.inner_optimizer.apply(grads, trainable_variables)
         else:
             _distribute.apply_if(
                 should_apply, self.inner_optimizer.apply, (grads, trainable_variables)
             )
+
+    def _update_dynamic_scale(self, grads, trainable_variables):
+        """Checks `grads`, steps the scale, records attribution; returns the decision."""
+        self._check_variables_are_known(trainable_variables)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        # Per gradient: how many replicas saw NaN/Inf (the same on all replicas).
+        counts = _distribute.agreed_nonfinite_counts(
+            gradient_values([grads[i] for i in present])
+        )
+        is_finite = tf.equal(tf.reduce_sum(counts), 0.0)
+        scale_before = self.loss_scale()
+        self.loss_scale.update_from_decision(is_finite)
+
+        positions = [self._get_variable_index(trainable_variables[i]) for i in present]
+        num_variables = len(self._trainable_variables)
+        if positions == list(range(num_variables)):
+            mask = counts > 0
+        else:
+            mask = tf.scatter_nd([[p] for p in positions], counts, [num_variables]) > 0
+        step = tf.cast(self.iterations, tf.int64)
+        stuck = tf.logical_and(
+            tf.logical_not(is_finite), scale_before <= self.loss_scale.min_loss_scale
+        )
+        if self.overflow_attribution:
+            self._overflow_mask.assign(tf.where(is_finite, self._overflow_mask, mask))
+            self._last_overflow_step.assign(tf.where(is_finite, self._last_overflow_step, step))
+        self._stuck_overflows.assign_add(tf.cast(stuck, tf.int64))
+        if self._min_scale_policy.policy != "ignore" and not _in_xla_context():
+
+            def report():
+                tf.py_function(self._report_stuck, [step, mask], [])
+                return tf.constant(True)
+
+            tf.cond(stuck, report, lambda: tf.constant(False))
+        return is_finite
+
+    def _report_stuck(self, step, mask):
+        self._stuck_overflows_seen += 1
+        names = overflow.names_from_mask(mask.numpy(), self._variable_names)
+        self._min_scale_policy(int(step), names, self.loss_scale.min_loss_scale)
+
+    # -- diagnostics ----------------------------------------------------------------
+
+    def last_overflow(self):
+        """Describes the last skipped step, or returns None if there was none.
+
+        Reads a few device values (a host sync): call it between steps, not
+        inside one.
+
+        Returns:
+            A `tfdls.OverflowReport` with the step, the names of the
+            variables whose gradients were non-finite, the loss scale and the
+            skipped-step count; None before the first overflow or when
+            `overflow_attribution=False`.
+
+        Example:
+
+        >>> model.fit(x, y)
+        >>> report = model.optimizer.last_overflow()
+        >>> if report: print(report)
+        step 12: non-finite gradients for dense/kernel; loss scale now 16384, ...
+        """
+        if not self.built or not self.overflow_attribution:
+            return None
+        step = int(self._last_overflow_step.numpy())
+        if step < 0:
+            return None
+        return overflow.OverflowReport(
+            step=step,
+            variable_names=overflow.names_from_mask(
+                self._overflow_mask.numpy(), self._variable_names
+            ),
+            loss_scale=float(self.loss_scale().numpy()),
+            num_skipped_steps=int(self.loss_scale.num_skipped_steps.numpy()),
+        )
+
+    def check_min_scale_policy(self):
+        """Applies `min_scale_policy` to overflows-at-minimum not yet reported.
+
+        Needed only where the step could not call the host (XLA); harmless
+        elsewhere. `tfdls.LossScaleMonitor` calls it at its logging frequency.
+        """
+        if not self.built or not isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale):
+            return
+        stuck = int(self._stuck_overflows.numpy())
+        if stuck > self._stuck_overflows_seen:
+            self._stuck_overflows_seen = stuck
+            names = overflow.names_from_mask(self._overflow_mask.numpy(), self._variable_names)
+            step = int(self._last_overflow_step.numpy())
+            self._min_scale_policy(step, names, self.loss_scale.min_loss_scale)
 
     # -- saving -------------------------------------------------------------------
 
@@ -251,6 +395,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "name": self.name,
             "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
             "loss_scale": loss_scale_lib.serialize(self.loss_scale),
+            "overflow_attribution": self.overflow_attribution,
+            "min_scale_policy": self._min_scale_policy.policy,
         }
 
     @classmethod

@@ -1,0 +1,108 @@
+"""`LossScaleMonitor`: the loss scale in `fit` logs, History and TensorBoard."""
+
+import keras
+import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
+
+# tf.summary.scalar needs the tensorboard package, which tensorflow-cpu does
+# not install; writing with the scalars plugin's metadata needs nothing more.
+_SCALAR_METADATA = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+).SerializeToString()
+
+
+def _find_loss_scale_optimizer(model):
+    from tfdls.optimizer import LossScaleOptimizer
+
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, LossScaleOptimizer):
+        raise ValueError(
+            "LossScaleMonitor needs a model compiled with tfdls.LossScaleOptimizer; "
+            f"got model.optimizer={optimizer!r}"
+        )
+    return optimizer
+
+
+class LossScaleMonitor(keras.callbacks.Callback):
+    """Adds the loss scale and skipped-step counts to `fit`'s logs.
+
+    Keys added: ``loss_scale``, ``skipped_steps`` (total so far) and
+    ``steps_since_overflow``, so they show in the progress bar, in `History`
+    and in any `keras.callbacks.TensorBoard` placed after this callback.
+    With `log_dir`, they are also written as TensorBoard scalars (tag
+    ``loss_scale/...``, step = optimizer iterations).
+
+    Device values are read only at the logging frequency: every `update_freq`
+    batches, and at the end of each epoch. It also applies the optimizer's
+    `min_scale_policy` for XLA steps, which cannot call the host themselves.
+
+    Args:
+        log_dir: optional directory for TensorBoard scalars.
+        update_freq: ``"epoch"`` (default) or an int: also log every that
+            many batches.
+
+    Example:
+
+    >>> model.compile(optimizer=tfdls.LossScaleOptimizer(keras.optimizers.Adam()),
+    ...               loss="mse")
+    >>> history = model.fit(x, y, callbacks=[tfdls.LossScaleMonitor("logs/")])
+    >>> history.history["loss_scale"]
+    [32768.0, 65536.0]
+    """
+
+    def __init__(self, log_dir=None, update_freq="epoch"):
+        super().__init__()
+        if update_freq != "epoch" and (
+            isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1
+        ):
+            raise ValueError(
+                f"`update_freq` must be 'epoch' or an int >= 1; got update_freq={update_freq!r}"
+            )
+        self.log_dir = log_dir
+        self.update_freq = update_freq
+        self._writer = None
+
+    def on_train_begin(self, logs=None):
+        self._optimizer = _find_loss_scale_optimizer(self.model)
+        if self.log_dir is not None and self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+
+    def _read(self):
+        """One host read of the scale state (the only sync this callback makes)."""
+        optimizer = self._optimizer
+        optimizer.check_min_scale_policy()
+        loss_scale = optimizer.loss_scale
+        values = {"loss_scale": float(loss_scale().numpy())}
+        if hasattr(loss_scale, "num_skipped_steps"):
+            values["skipped_steps"] = int(loss_scale.num_skipped_steps.numpy())
+            values["steps_since_overflow"] = int(loss_scale.steps_since_overflow.numpy())
+        return values
+
+    def _log(self, logs):
+        values = self._read()
+        if logs is not None:
+            logs.update(values)
+        if self._writer is not None:
+            step = int(self._optimizer.iterations.numpy())
+            with self._writer.as_default():
+                for key, value in values.items():
+                    tf.summary.write(
+                        f"loss_scale/{key}",
+                        tf.constant(value, tf.float32),
+                        step=step,
+                        metadata=_SCALAR_METADATA,
+                    )
+            self._writer.flush()
+        return values
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.update_freq != "epoch" and (batch + 1) % self.update_freq == 0:
+            self._log(logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._log(logs)
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
