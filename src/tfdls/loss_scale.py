@@ -18,6 +18,9 @@ import tensorflow as tf
 from tfdls import _distribute
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Smallest normal float32: TensorFlow's CPU kernels flush subnormals to zero,
+# so a subnormal scale could silently become 0.
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
 def _check_scale(name, value, allow_none=False):
@@ -29,9 +32,10 @@ def _check_scale(name, value, allow_none=False):
     value = float(value)
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"`{name}` must be a positive, finite number; got {name}={value!r}")
-    if value > _FLOAT32_MAX or np.float32(value) == 0:
+    if value > _FLOAT32_MAX or value < _FLOAT32_TINY:
         raise ValueError(
-            f"`{name}` must be representable as a positive finite float32; got {name}={value!r}"
+            f"`{name}` must be a normal positive float32 (between {_FLOAT32_TINY!r} and "
+            f"{_FLOAT32_MAX!r}); got {name}={value!r}"
         )
     return value
 
@@ -304,8 +308,13 @@ class DynamicLossScale(LossScale):
         # Non-finite gradients.
         h_overflow = h - 1
         if self._backoff_factor is None:
-            # Division (not a multiply by 1/multiplier) to match the seed bit for bit.
-            shrunk = s / multiplier
+            # A true division, to match the seed bit for bit. Grappler and XLA
+            # rewrite x / const into x * (1 / const), which is not correctly
+            # rounded in float32; in float64 that error is far below float32
+            # rounding, so the cast back gives the correctly rounded s / m.
+            shrunk = tf.cast(
+                tf.cast(s, tf.float64) / np.float64(np.float32(self._multiplier)), tf.float32
+            )
         else:
             shrunk = s * tf.constant(self._backoff_factor, tf.float32)
         shrunk = tf.maximum(shrunk, self._min_loss_scale)

@@ -8,6 +8,7 @@ from keras.src.saving import serialization_lib
 from keras.src.utils import tracking
 
 from tfdls import _distribute
+from tfdls import _masked_update
 from tfdls import loss_scale as loss_scale_lib
 from tfdls import overflow
 from tfdls.finite import gradient_values
@@ -293,6 +294,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             _, should_apply = self.loss_scale.update(grads)
         if should_apply is True:  # a fixed scale: no condition to evaluate
             self.inner_optimizer.apply(grads, trainable_variables)
+        elif _in_xla_context() and _masked_update.eligible(
+            self.inner_optimizer, grads, trainable_variables
+        ):
+            with _masked_update.masked_writes(self.inner_optimizer, should_apply):
+                self.inner_optimizer.apply(grads, trainable_variables)
         else:
             _distribute.apply_if(
                 should_apply, self.inner_optimizer.apply, (grads, trainable_variables)

@@ -1,0 +1,234 @@
+"""Tests for tfdls.all_finite: exactness, structures, dtypes, graph shape."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdls
+
+FLOAT_DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
+
+# The largest finite value and the smallest positive subnormal of each dtype.
+EXTREMES = {
+    tf.float16: (65504.0, 2.0**-24),
+    tf.bfloat16: (float(tf.bfloat16.max), 2.0**-133),
+    tf.float32: (float(np.finfo(np.float32).max), 2.0**-149),
+    tf.float64: (float(np.finfo(np.float64).max), 5e-324),
+}
+
+
+def _tensor(values, dtype):
+    # Converted by NumPy (ml_dtypes for bfloat16), not by a TF cast: TF's CPU
+    # kernels flush subnormals to zero.
+    return tf.constant(np.asarray(values, np.float64).astype(dtype.as_numpy_dtype))
+
+
+def _as_float64(t):
+    return np.asarray(t.numpy()).astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: d.name)
+def test_extreme_finite_values_are_finite(dtype, run_mode):
+    big, tiny = EXTREMES[dtype]
+    values = [big, -big, tiny, -tiny, 0.0, -0.0, 1.0]
+    t = _tensor(values, dtype)
+    # The values really are the extremes (and finite) in this dtype.
+    as64 = _as_float64(t)
+    assert np.all(np.isfinite(as64)) and as64[0] == big
+    assert as64[2] == tiny
+    result = run_mode(lambda: tfdls.all_finite([t]))()
+    assert result.dtype == tf.bool and result.shape == ()
+    assert bool(result.numpy()) is True
+    assert bool(run_mode(lambda: tfdls.all_finite(t))().numpy()) is True
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: d.name)
+def test_nonfinite_detected(dtype, run_mode):
+    big, _ = EXTREMES[dtype]
+    other = _tensor([1.0, 2.0], dtype)
+    check = run_mode(lambda t: tfdls.all_finite([other, t, None]))
+    values = np.full([1000], big / 2, np.float64)
+    assert bool(check(tf.reshape(_tensor(values, dtype), [10, 100])).numpy()) is True
+    for bad in (np.nan, np.inf, -np.inf):
+        for position in (0, 37, 999):
+            planted = values.copy()
+            planted[position] = bad
+            t = tf.reshape(_tensor(planted, dtype), [10, 100])
+            assert not np.all(np.isfinite(_as_float64(t)))
+            result = check(t)
+            assert result.dtype == tf.bool and result.shape == ()
+            assert bool(result.numpy()) is False, (bad, position)
+
+
+def test_large_tensor_single_nan_at_end(run_mode):
+    values = np.ones([1 << 20], np.float32)
+    values[-1] = np.nan
+    t = tf.constant(values)
+    assert bool(run_mode(lambda: tfdls.all_finite(t))().numpy()) is False
+    values[-1] = np.float32(np.finfo(np.float32).max)
+    t = tf.constant(values)
+    assert bool(run_mode(lambda: tfdls.all_finite(t))().numpy()) is True
+
+
+@pytest.mark.parametrize("empty", [[], (), {}, [None], [None, None], {"a": None}])
+def test_no_gradients_is_true(empty, run_mode):
+    result = run_mode(lambda: tfdls.all_finite(empty))()
+    assert result.dtype == tf.bool and result.shape == ()
+    assert bool(result.numpy()) is True
+
+
+def test_empty_tensor_is_finite(run_mode):
+    result = run_mode(lambda: tfdls.all_finite([tf.zeros([0, 3]), tf.ones([2])]))()
+    assert bool(result.numpy()) is True
+
+
+def test_indexed_slices_checked_on_values(run_mode):
+    def grads(bad):
+        return {
+            "emb": tf.IndexedSlices(
+                values=tf.constant([[1.0, 2.0], [bad, 4.0]]),
+                indices=tf.constant([1, 7], tf.int64),
+                dense_shape=tf.constant([10, 2], tf.int64),
+            ),
+            "w": [tf.constant([1.0]), None],
+        }
+
+    assert bool(run_mode(lambda: tfdls.all_finite(grads(3.0)))().numpy()) is True
+    assert bool(run_mode(lambda: tfdls.all_finite(grads(np.nan)))().numpy()) is False
+    assert bool(run_mode(lambda: tfdls.all_finite(grads(-np.inf)))().numpy()) is False
+
+
+@pytest.mark.parametrize("bad_dtype", FLOAT_DTYPES, ids=lambda d: d.name)
+def test_mixed_dtypes_one_call(bad_dtype, run_mode):
+    def grads(with_nan):
+        out = []
+        for dtype in FLOAT_DTYPES:
+            values = [1.0, -3.0, EXTREMES[dtype][0]]
+            if with_nan and dtype == bad_dtype:
+                values[1] = np.nan
+            out.append(_tensor(values, dtype))
+        return out
+
+    assert bool(run_mode(lambda: tfdls.all_finite(grads(False)))().numpy()) is True
+    assert bool(run_mode(lambda: tfdls.all_finite(grads(True)))().numpy()) is False
+
+
+@pytest.mark.parametrize("dtype", [tf.int32, tf.int64, tf.bool, tf.complex64])
+def test_non_float_gradient_type_error_names_dtype(dtype):
+    bad = tf.zeros([2], dtype)
+    with pytest.raises(TypeError, match=dtype.name):
+        tfdls.all_finite([tf.constant([1.0]), bad])
+    with pytest.raises(TypeError, match=dtype.name):
+        tf.function(lambda: tfdls.all_finite({"x": bad}))()
+
+
+def test_accepts_nest_with_none_and_tuple(run_mode):
+    grads = ((tf.constant([1.0]), None), {"k": [None, tf.constant([[2.0]])]})
+    assert bool(run_mode(lambda: tfdls.all_finite(grads))().numpy()) is True
+
+
+# --------------------------------------------------------------------------
+# Graph structure: one fused reduction, no per-gradient branching or syncs.
+# --------------------------------------------------------------------------
+N_GRADS = 50
+CONTROL_FLOW_OR_HOST_OPS = {
+    "If",
+    "StatelessIf",
+    "While",
+    "StatelessWhile",
+    "Switch",
+    "Merge",
+    "Enter",
+    "Exit",
+    "NextIteration",
+    "Case",
+    "StatelessCase",
+    "PyFunc",
+    "EagerPyFunc",
+    "PyFuncStateless",
+    "Print",
+    "PrintV2",
+    "Assert",
+    "_Send",
+    "_Recv",
+    "_HostSend",
+    "_HostRecv",
+}
+REDUCTIONS = {"All", "Any", "Sum", "Prod", "Max", "Min", "Mean"}
+
+
+def _graph(n_grads=N_GRADS, shapes=None):
+    shapes = shapes or [[i % 4 + 1, 3] for i in range(n_grads)]
+    dtypes = [FLOAT_DTYPES[i % 4] for i in range(n_grads)]
+    specs = [tf.TensorSpec(s, d) for s, d in zip(shapes, dtypes)]
+    concrete = tf.function(tfdls.all_finite).get_concrete_function(specs)
+    return concrete
+
+
+def _ancestors(tensor):
+    seen, stack = set(), [tensor.op]
+    while stack:
+        op = stack.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        stack.extend(i.op for i in op.inputs)
+        stack.extend(op.control_inputs)
+    return seen
+
+
+def test_graph_is_one_fused_reduction():
+    concrete = _graph()
+    graph = concrete.graph
+    ops = graph.get_operations()
+    types = [op.type for op in ops]
+
+    # No branching, loops, host callbacks or explicit host transfers.
+    assert not set(types) & CONTROL_FLOW_OR_HOST_OPS, sorted(set(types))
+
+    placeholders = [op for op in ops if op.type == "Placeholder"]
+    assert len(placeholders) == N_GRADS
+    # Each gradient is read exactly once, by one IsFinite.
+    is_finite = [op for op in ops if op.type == "IsFinite"]
+    assert len(is_finite) == N_GRADS
+    for ph in placeholders:
+        consumers = ph.outputs[0].consumers()
+        assert [c.type for c in consumers] == ["IsFinite"], (ph.name, consumers)
+
+    # At most one reduction per gradient plus one combining reduction.
+    reductions = [op for op in ops if op.type in REDUCTIONS]
+    assert len(reductions) <= N_GRADS + 1
+    # Exactly one reduction depends on more than one gradient, and it
+    # (through Identity ops only) is the function's output.
+    placeholder_names = {ph.name for ph in placeholders}
+    combining = [
+        op for op in reductions if len(_ancestors(op.outputs[0]) & placeholder_names) > 1
+    ]
+    assert len(combining) == 1, [op.name for op in combining]
+    assert len(concrete.outputs) == 1
+    out_op = concrete.outputs[0].op
+    while out_op.type == "Identity":
+        out_op = out_op.inputs[0].op
+    assert out_op is combining[0]
+    assert concrete.outputs[0].dtype == tf.bool and concrete.outputs[0].shape.rank == 0
+    # The combining reduction sees every gradient.
+    assert _ancestors(combining[0].outputs[0]) >= placeholder_names
+    # Op count is linear in the number of gradients (a small constant per one).
+    assert len(ops) <= 6 * N_GRADS + 10
+
+
+def test_graph_size_scales_linearly():
+    small = len(_graph(10).graph.get_operations())
+    large = len(_graph(N_GRADS).graph.get_operations())
+    per_grad = (large - small) / (N_GRADS - 10)
+    assert per_grad <= 5, per_grad
+
+
+def test_works_under_xla_with_many_gradients():
+    rng = np.random.default_rng(0)
+    grads = [tf.constant(rng.normal(size=[3]).astype(np.float32)) for _ in range(N_GRADS)]
+    fn = tf.function(tfdls.all_finite, jit_compile=True)
+    assert bool(fn(grads).numpy()) is True
+    bad = list(grads)
+    bad[31] = tf.constant([0.0, np.inf, 1.0], tf.float32)
+    assert bool(fn(bad).numpy()) is False
