@@ -278,6 +278,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
         if not grads:
             return
+        if all(g is None for g in grads):
+            raise ValueError(
+                f"No gradients provided for any variable: all {len(grads)} gradients are None."
+            )
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
@@ -321,7 +325,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if positions == list(range(num_variables)):
             mask = counts > 0
         else:
-            mask = tf.scatter_nd([[p] for p in positions], counts, [num_variables]) > 0
+            indices = tf.constant(positions, tf.int32, shape=[len(positions), 1])
+            mask = tf.scatter_nd(indices, counts, [num_variables]) > 0
         step = tf.cast(self.iterations, tf.int64)
         stuck = tf.logical_and(
             tf.logical_not(is_finite), scale_before <= self.loss_scale.min_loss_scale
