@@ -3,6 +3,7 @@
 import threading
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src.saving import serialization_lib
 from keras.src.utils import tracking
@@ -197,9 +198,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # the last skipped step, at which step, and how many overflows
         # happened with the scale already at its minimum.
         self._variable_names = [getattr(v, "path", None) or v.name for v in var_list]
-        with tf.name_scope(self.name):
+        # init_scope lifts them out of a tf.function (a first apply inside
+        # strategy.run); a lifted variable needs a host initial value.
+        with tf.init_scope(), tf.name_scope(self.name):
             self._overflow_mask = loss_scale_lib.state_variable(
-                "overflow_mask", tf.zeros([len(var_list)], tf.bool), tf.bool
+                "overflow_mask", np.zeros([len(var_list)], np.bool_), tf.bool
             )
             self._last_overflow_step = loss_scale_lib.state_variable(
                 "last_overflow_step", -1, tf.int64

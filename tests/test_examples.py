@@ -1,0 +1,182 @@
+"""Runs every script in examples/ in a subprocess and checks what it prints.
+
+Each example runs with small arguments (they are demos, not benchmarks);
+the assertions parse the numbers the scripts print, so a script that runs
+but trains nothing, loses its checkpoint state or lets replicas drift fails.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+SUBPROCESS_TIMEOUT = 150
+
+pytestmark = pytest.mark.timeout(SUBPROCESS_TIMEOUT + 30)
+
+
+def _run(args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("MPLBACKEND", None)
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
+    )
+    assert proc.returncode == 0, (
+        f"{args} exited with {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n"
+        f"{proc.stderr[-5000:]}"
+    )
+    return proc.stdout
+
+
+def _one(pattern, text):
+    matches = re.findall(pattern, text, flags=re.MULTILINE)
+    assert len(matches) == 1, f"expected one line matching {pattern!r} in:\n{text}"
+    return matches[0]
+
+
+def _float(pattern, text):
+    return float(_one(pattern, text))
+
+
+# -- each example ----------------------------------------------------------------
+
+
+def check_quickstart(out, tmp_path):
+    accuracy = _float(r"^test accuracy: ([0-9.]+)$", out)
+    assert 0.5 < accuracy <= 1.0
+    scale = _float(r"^final loss scale: ([0-9.e+]+)$", out)
+    # Starts at 2**24 and must come down to where float16 gradients fit.
+    assert 1.0 <= scale < 2.0**24
+    skipped, steps = map(int, _one(r"^skipped steps: (\d+) of (\d+)$", out))
+    assert 1 <= skipped < steps
+    png = tmp_path / "scale.png"
+    assert f"saved plot: {png}" in out
+    data = png.read_bytes()
+    assert len(data) > 1000
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def check_custom_training_loop(out, tmp_path):
+    for style in ("keras3", "tf24"):
+        losses = [
+            float(v) for v in re.findall(rf"^\[{style}\] epoch \d+: loss ([0-9.]+)$", out, re.M)
+        ]
+        assert len(losses) == 2, out
+        assert losses[-1] < losses[0] - 0.1, (style, losses)
+        scale, skipped, applied = _one(
+            rf"^\[{style}\] final loss scale: ([0-9.e+]+), skipped steps: (\d+), "
+            r"applied steps: (\d+)$",
+            out,
+        )
+        # 2 epochs of ceil(1797 / 64) = 29 batches; a scale of 2**15 fits this
+        # model's gradients, so nothing is skipped and it doubles after 50 steps.
+        assert (int(applied), int(skipped)) == (58, 0)
+        assert float(scale) == 2.0**16
+    assert "both styles trained identically: True" in out
+
+
+def check_distributed(out, tmp_path):
+    assert _one(r"^replicas in sync: (\d+)$", out) == "2"
+    copies = [float(c) for c in _one(r"^replica loss scales: (.+)$", out).split(", ")]
+    assert len(copies) == 2
+    assert copies[0] == copies[1]
+    assert 1.0 <= copies[0] < 2.0**24
+    assert "replicas agree: True" in out
+    assert int(_one(r"^skipped steps: (\d+)$", out)) >= 1
+    assert _float(r"^test accuracy: ([0-9.]+)$", out) > 0.5
+
+
+def check_migrate_from_tf24(out, tmp_path):
+    first, last = map(float, _one(r"^dynamic: loss ([0-9.]+) -> ([0-9.]+)$", out))
+    assert last < first
+    skipped, scale, good = _one(
+        r"^dynamic: skipped (\d+) step\(s\); final loss scale ([0-9.e+]+), good steps (\d+)$", out
+    )
+    # 40 steps, step 5 poisoned: 1024 -> 512, then 34 finite steps grow it once.
+    assert int(skipped) == 1
+    assert float(scale) == 1024.0
+    assert int(good) == 34 - 20
+    first, last, skipped, scale = _one(
+        r"^fixed: loss ([0-9.]+) -> ([0-9.]+), skipped (\d+), scale ([0-9.e+]+)$", out
+    )
+    assert float(last) < float(first)
+    assert int(skipped) == 0
+    assert float(scale) == 128.0
+    assert "from_config round trip equal: True" in out
+    assert "deserialize round trip equal: True" in out
+    assert "'increment_period': 20" in out
+
+
+def check_checkpoint_resume(out, tmp_path):
+    def state(label):
+        text = _one(rf"^{label}: (.+)$", out)
+        return {k: float(v) for k, v in (item.split("=") for item in text.split(", "))}
+
+    saved, fresh, restored, continued = (
+        state(k) for k in ("saved", "fresh", "restored", "continued")
+    )
+    assert restored == saved
+    assert fresh != saved
+    assert saved["iterations"] > 0 and saved["loss_scale"] < 2.0**24
+    assert "state equal: True" in out
+    assert "weights equal: True" in out
+    assert continued["iterations"] > restored["iterations"]
+    assert continued["skipped_steps"] >= restored["skipped_steps"]
+    ckpt = pathlib.Path(_one(r"^checkpoint: (.+)$", out))
+    assert ckpt.parent == tmp_path / "ckpt"
+    assert list(ckpt.parent.glob(ckpt.name + ".index"))
+
+
+CASES = {
+    "quickstart.py": (["--epochs", "2", "--plot", "{tmp}/scale.png"], check_quickstart),
+    "custom_training_loop.py": (["--epochs", "2"], check_custom_training_loop),
+    "distributed.py": (["--epochs", "3"], check_distributed),
+    "migrate_from_tf24.py": (["--steps", "40"], check_migrate_from_tf24),
+    "checkpoint_resume.py": (["--dir", "{tmp}/ckpt", "--steps", "20"], check_checkpoint_resume),
+}
+
+
+def test_every_example_is_covered():
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(CASES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_example_runs(name, tmp_path):
+    args, check = CASES[name]
+    args = [a.format(tmp=tmp_path) for a in args]
+    out = _run([str(EXAMPLES / name), *args])
+    check(out, tmp_path)
+
+
+_WITHOUT_MATPLOTLIB = r"""
+import runpy, sys
+
+class BlockMatplotlib:
+    def find_spec(self, name, path=None, target=None):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+        return None
+
+sys.meta_path.insert(0, BlockMatplotlib())
+sys.argv = ["examples/quickstart.py"] + sys.argv[1:]
+runpy.run_path("examples/quickstart.py", run_name="__main__")
+"""
+
+
+def test_quickstart_without_matplotlib_skips_the_plot(tmp_path):
+    png = tmp_path / "scale.png"
+    out = _run(["-c", _WITHOUT_MATPLOTLIB, "--epochs", "1", "--plot", str(png)])
+    assert "matplotlib is not installed: skipping the plot" in out
+    assert "saved plot" not in out
+    assert not png.exists()
+    assert _float(r"^test accuracy: ([0-9.]+)$", out) > 0.3
