@@ -292,11 +292,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         arrived_unscaled = self._unscaled_marks.pending
         self._unscaled_marks.pending = False
+        checked = grads  # what the finiteness check reads
         if not arrived_unscaled:
-            grads = self._unscale(grads)
+            unscaled = self._unscale(grads)
+            if self._scale_may_fall_below_one():
+                # Multiplying by 1/scale > 1 can overflow: check the result.
+                checked = unscaled
+            # Otherwise 1/scale <= 1 cannot turn a finite gradient non-finite,
+            # so checking the scaled gradients decides the same; under XLA it
+            # also leaves the unscaling multiply a single reader, the update,
+            # into which it fuses instead of being materialized.
+            grads = unscaled
 
         if isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale):
-            should_apply = self._update_dynamic_scale(grads, trainable_variables)
+            should_apply = self._update_dynamic_scale(checked, trainable_variables)
         else:
             _, should_apply = self.loss_scale.update(grads)
         if should_apply is True:  # a fixed scale: no condition to evaluate
@@ -310,6 +319,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             _distribute.apply_if(
                 should_apply, self.inner_optimizer.apply, (grads, trainable_variables)
             )
+
+    def _scale_may_fall_below_one(self):
+        loss_scale = self.loss_scale
+        if isinstance(loss_scale, loss_scale_lib.DynamicLossScale):
+            return loss_scale.min_loss_scale < 1
+        if isinstance(loss_scale, loss_scale_lib.FixedLossScale):
+            return loss_scale.loss_scale_value < 1
+        return True
 
     def _update_dynamic_scale(self, grads, trainable_variables):
         """Checks `grads`, steps the scale, records attribution; returns the decision."""
