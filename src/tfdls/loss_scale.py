@@ -66,7 +66,23 @@ def state_variable(name, initial_value, dtype):
 class LossScale(tf.Module, metaclass=abc.ABCMeta):
     """Base class of loss scales: a `tf.Module` whose state is `tf.Variable`s.
 
-    Subclasses implement `__call__`, `update` and `get_config`.
+    Subclasses implement `__call__`, `update` and `get_config`; a custom loss
+    scale passed to `LossScaleOptimizer` is driven through `update(grads)`.
+
+    Example, a scale that halves on overflow and never grows:
+
+    >>> class HalvingLossScale(tfdls.LossScale):
+    ...     def __init__(self, value=2.0**15):
+    ...         super().__init__()
+    ...         self.value = tf.Variable(value, trainable=False)
+    ...     def __call__(self):
+    ...         return tf.convert_to_tensor(self.value)
+    ...     def update(self, grads):
+    ...         ok = tfdls.all_finite(grads)
+    ...         op = self.value.assign(tf.where(ok, self.value, self.value / 2))
+    ...         return op, ok
+    ...     def get_config(self):
+    ...         return {"value": float(self.value.numpy())}
     """
 
     @abc.abstractmethod
@@ -356,14 +372,27 @@ _CLASSES = {"FixedLossScale": FixedLossScale, "DynamicLossScale": DynamicLossSca
 
 
 def serialize(loss_scale):
-    """Returns `{"class_name": ..., "config": ...}` for a loss scale."""
+    """Returns `{"class_name": ..., "config": ...}` for a loss scale.
+
+    Example:
+
+    >>> tfdls.serialize(tfdls.FixedLossScale(8))
+    {'class_name': 'FixedLossScale', 'config': {'loss_scale_value': 8.0}}
+    """
     if not isinstance(loss_scale, LossScale):
         raise TypeError(f"`loss_scale` must be a tfdls.LossScale; got loss_scale={loss_scale!r}")
     return {"class_name": type(loss_scale).__name__, "config": loss_scale.get_config()}
 
 
 def deserialize(config):
-    """Builds a loss scale from the output of `serialize`."""
+    """Builds a loss scale from the output of `serialize`.
+
+    Example:
+
+    >>> ls = tfdls.deserialize(tfdls.serialize(tfdls.DynamicLossScale(hysteresis=2)))
+    >>> ls.hysteresis
+    2
+    """
     if not isinstance(config, dict) or "class_name" not in config:
         raise ValueError(
             "`config` must be a dict with 'class_name' and 'config' keys, as returned "

@@ -21,12 +21,30 @@ MIN_SCALE_POLICIES = ("warn", "raise", "ignore")
 
 
 class LossScaleStuckError(RuntimeError):
-    """Training keeps overflowing although the loss scale is at its minimum."""
+    """Training keeps overflowing although the loss scale is at its minimum.
+
+    Raised with ``min_scale_policy="raise"``. Inside a `tf.function` or `fit`
+    it reaches you wrapped in a TensorFlow error whose message starts with
+    ``LossScaleStuckError``:
+
+    >>> opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(), min_scale_policy="raise")
+    >>> model.compile(optimizer=opt, loss="mse")
+    >>> model.fit(x_with_nans, y)
+    UnknownError: ... LossScaleStuckError: tfdls: the loss scale is at its minimum ...
+    """
 
 
 @dataclasses.dataclass(frozen=True)
 class OverflowReport:
-    """What the last skipped step looked like.
+    """What the last skipped step looked like (see `LossScaleOptimizer.last_overflow`).
+
+    Example:
+
+    >>> report = opt.last_overflow()
+    >>> report.variable_names
+    ('sequential/dense_2/kernel',)
+    >>> print(report)
+    step 308: non-finite gradients for sequential/dense_2/kernel; loss scale now 262144, ...
 
     Attributes:
         step: the optimizer's `iterations` when the step was skipped (skipped
