@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import tfdls
+from contract_model import ContractModel
 
 F32 = np.float32
 F32_MAX = float(np.finfo(np.float32).max)
@@ -23,46 +24,6 @@ SETTINGS = dict(
 NO_SHRINK = dict(SETTINGS, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 
-class ContractModel:
-    """The class docstring's pseudo-code, in np.float32."""
-
-    def __init__(self, initial, period, multiplier, backoff, min_scale, max_scale, hysteresis):
-        self.s = F32(initial)
-        self.period = period
-        self.m = F32(multiplier)
-        self.bf = None if backoff is None else F32(backoff)
-        self.min = F32(min_scale)
-        self.max = None if max_scale is None else F32(max_scale)
-        self.hysteresis = hysteresis
-        self.g = 0
-        self.h = hysteresis
-        self.skipped = 0
-        self.since = 0
-
-    def step(self, finite):
-        with np.errstate(over="ignore", under="ignore"):
-            if finite:
-                self.g += 1
-                if self.g >= self.period:
-                    c = self.s * self.m
-                    if self.max is not None:
-                        c = np.minimum(c, self.max)
-                    if np.isfinite(c):
-                        self.s = c
-                    self.g = 0
-                    self.h = self.hysteresis
-                self.since += 1
-            else:
-                self.g = 0
-                self.h -= 1
-                if self.h <= 0:
-                    shrunk = self.s / self.m if self.bf is None else self.s * self.bf
-                    self.s = np.maximum(shrunk, self.min)
-                self.skipped += 1
-                self.since = 0
-
-    def state(self):
-        return (self.s.tobytes(), self.g, self.h, self.skipped, self.since)
 
 
 @st.composite
@@ -124,15 +85,7 @@ def _state(ls):
 
 def _check_against_model(kwargs, decisions, mode):
     ls = tfdls.DynamicLossScale(**kwargs)
-    model = ContractModel(
-        kwargs["initial_loss_scale"],
-        kwargs["increment_period"],
-        kwargs["multiplier"],
-        kwargs["backoff_factor"],
-        kwargs["min_loss_scale"],
-        kwargs["max_loss_scale"],
-        kwargs["hysteresis"],
-    )
+    model = ContractModel(**kwargs)
 
     def update(g):
         return ls.update([g, None])[1]
