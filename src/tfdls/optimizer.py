@@ -5,7 +5,6 @@ import threading
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.saving import serialization_lib
 from keras.src.utils import tracking
 
 from tfdls import _distribute
@@ -424,7 +423,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def get_config(self):
         return {
             "name": self.name,
-            "inner_optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "loss_scale": loss_scale_lib.serialize(self.loss_scale),
             "overflow_attribution": self.overflow_attribution,
             "min_scale_policy": self._min_scale_policy.policy,
@@ -433,7 +432,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        inner = serialization_lib.deserialize_keras_object(
+        inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
