@@ -23,6 +23,11 @@ def _has_strategy():
     )
 
 
+def _local_nonfinite(values):
+    """1.0 per gradient that holds NaN/Inf on this replica, else 0.0."""
+    return tf.cast(tf.logical_not(finite_flags(values)), tf.float32)
+
+
 def agreed_nonfinite_counts(values):
     """Per gradient, how many replicas saw a non-finite value (float vector).
 
@@ -32,7 +37,7 @@ def agreed_nonfinite_counts(values):
     the float count), so every replica (and worker) gets the same vector and
     one replica's overflow is seen by all.
     """
-    local = tf.cast(tf.logical_not(finite_flags(values)), tf.float32)
+    local = _local_nonfinite(values)
     if not _has_strategy():
         return local
     if tf.distribute.in_cross_replica_context():
@@ -49,8 +54,9 @@ def agreed_all_finite(grads):
     """
     if _has_strategy() and tf.distribute.in_cross_replica_context():
         strategy = tf.distribute.get_strategy()
+        # Each replica counts locally; the one reduction below combines them.
         per_replica = strategy.extended.call_for_each_replica(
-            lambda g: tf.reduce_sum(agreed_nonfinite_counts(gradient_values(g))),
+            lambda g: tf.reduce_sum(_local_nonfinite(gradient_values(g))),
             args=(grads,),
         )
         overflowed = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)

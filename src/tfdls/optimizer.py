@@ -357,14 +357,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if self._min_scale_policy.policy != "ignore" and not _in_xla_context():
 
             def report():
-                tf.py_function(self._report_stuck, [step, mask], [])
+                tf.py_function(
+                    self._report_stuck,
+                    [step, mask, tf.convert_to_tensor(self._stuck_overflows)],
+                    [],
+                )
                 return tf.constant(True)
 
             tf.cond(stuck, report, lambda: tf.constant(False))
         return is_finite
 
-    def _report_stuck(self, step, mask):
-        self._stuck_overflows_seen += 1
+    def _report_stuck(self, step, mask, stuck_overflows):
+        # The device count, not a host tally: every replica runs this report
+        # for the same overflow.
+        self._stuck_overflows_seen = max(self._stuck_overflows_seen, int(stuck_overflows))
         names = overflow.names_from_mask(mask.numpy(), self._variable_names)
         self._min_scale_policy(int(step), names, self.loss_scale.min_loss_scale)
 
