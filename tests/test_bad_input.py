@@ -115,6 +115,9 @@ CASES = {
     "`overflow_attribution=\"yes\"`": (
         lambda: LSO(SGD(), overflow_attribution="yes"), TypeError,
         r"overflow_attribution='yes'"),
+    "`jit_compile=\"yes\"`": (
+        lambda: LSO(SGD(), jit_compile="yes"), ValueError,
+        r"jit_compile='yes'"),
     "a non-float gradient (e.g. int32)": (
         _apply_int_gradient, TypeError, r"floating point.*int32"),
     "gradient and variable lists of different lengths": (

@@ -100,6 +100,13 @@ def apply_if(should_apply, apply_fn, args=()):
 
         tf.cond(decision, apply_branch, lambda: tf.constant(False))
 
+    # merge_call turns a tensor that is the same object on every replica (a
+    # gradient passed in unchanged) into one plain value, which the inner
+    # optimizer's all-reduce then rejects; an identity per replica keeps it
+    # per-replica.
+    args = tf.nest.map_structure(
+        lambda x: tf.identity(x) if isinstance(x, tf.Tensor) else x, tuple(args)
+    )
     tf.distribute.get_replica_context().merge_call(
-        cross_replica_conditional, args=(should_apply,) + tuple(args)
+        cross_replica_conditional, args=(should_apply,) + args
     )
