@@ -33,11 +33,21 @@ and its own fresh inner optimizer of the same kind:
     (only with tf_keras) ``tf_keras.optimizers.X().apply_gradients(...)``: the
     baseline that ``tf_keras``'s own overhead should be read against, since
     tf_keras' optimizers are not Keras 3's.
-``tfdls_noattr``
-    the same with ``overflow_attribution=False``, to price the attribution.
 ``tfdls``
     ``tfdls.LossScaleOptimizer(inner).apply(grads, variables)`` (dynamic scale,
-    default settings).
+    default settings). In "graph" mode its default ``jit_compile="auto"``
+    runs the apply as its own XLA cluster; with SGD it folds the unscaling
+    into the learning rate.
+``tfdls_nojit``
+    the same with ``jit_compile=False``: the apply stays plain graph-mode
+    TensorFlow, like ``bare`` and ``keras3`` ("xla" mode: as ``tfdls``).
+``bare_xla_apply``
+    the bare inner update compiled the way ``tfdls`` compiles its apply in
+    "graph" mode (a nested ``tf.function(jit_compile=True)``): the baseline for
+    what ``tfdls``'s loss scaling itself costs there. In "xla" mode it equals
+    ``bare``.
+``tfdls_noattr``
+    ``tfdls`` with ``overflow_attribution=False``, to price the attribution.
 
 All loss-scale optimizers use a dynamic scale starting at 2**15 that grows every
 2000 finite steps; the gradients are finite, so every step is applied. After the
@@ -82,6 +92,13 @@ costs, which dominate for many small variables (e.g. 200 x 64x64), and real
 graph-mode TensorFlow does not fuse the bare update either (SGD is a multiply
 and an ``assign_sub``), so measured ratios can be below the floor there. The
 gradient and variable byte counts are printed with the floors.
+
+In "graph" mode ``tfdls`` avoids the unfused cost in two ways: with SGD the
+unscaling is folded into the learning rate (no pass at all, exactly the same
+numbers), and otherwise ``jit_compile="auto"`` compiles its apply so that XLA
+fuses the check and the unscaling into the update. The compiled inner update
+is itself faster than Keras' graph-mode one; ``bare_xla_apply`` shows by how
+much, and ``tfdls / bare_xla_apply`` is what the loss scaling costs there.
 
 Usage
 -----
@@ -215,7 +232,7 @@ def available_variants():
     names = ["bare", "keras3"]
     if tf_keras is not None:
         names += ["tf_keras_bare", "tf_keras"]
-    names += ["tfdls", "tfdls_noattr"]
+    names += ["bare_xla_apply", "tfdls", "tfdls_nojit", "tfdls_noattr"]
     return names
 
 
@@ -269,9 +286,18 @@ def build_variant(name, workload, initial_values):
         def scale():
             return float(opt.dynamic_scale.numpy()), float(opt.initial_scale)
 
-    elif name in ("tfdls", "tfdls_noattr"):
+    elif name == "bare_xla_apply":
+        opt = _keras_inner(workload.inner)
+        compiled_apply = tf.function(lambda grads: opt.apply(grads, variables), jit_compile=True)
+
+        def body(grads):
+            compiled_apply(grads)
+
+    elif name in ("tfdls", "tfdls_nojit", "tfdls_noattr"):
         opt = tfdls.LossScaleOptimizer(
-            _keras_inner(workload.inner), overflow_attribution=name == "tfdls"
+            _keras_inner(workload.inner),
+            overflow_attribution=name != "tfdls_noattr",
+            jit_compile=False if name == "tfdls_nojit" else "auto",
         )
 
         def body(grads):
@@ -521,7 +547,9 @@ def format_markdown(results, settings):
         "keras3": "Keras 3 LSO",
         "tf_keras_bare": "tf_keras bare",
         "tf_keras": "tf_keras LSO",
+        "bare_xla_apply": "bare, XLA apply",
         "tfdls": "tfdls LSO",
+        "tfdls_nojit": "tfdls, jit_compile=False",
         "tfdls_noattr": "tfdls, attribution off",
     }
     lines = [

@@ -215,10 +215,12 @@ def test_auto_does_not_compile_a_fixed_scale_or_inside_xla():
     assert _xla_clusters(xla_step, _grad_specs()) == 0
 
 
-def test_auto_does_not_compile_under_a_strategy(mirrored_strategy):
+@pytest.mark.parametrize("jit_compile", ["auto", True])
+def test_no_compiled_apply_under_a_strategy(mirrored_strategy, jit_compile):
+    # Replicas agree through merge calls, which an XLA cluster cannot hold.
     with mirrored_strategy.scope():
         variables = _variables()
-        opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam())
+        opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam(), jit_compile=jit_compile)
         opt.build(variables)
 
     def train_step(grads):
@@ -270,6 +272,14 @@ def test_compiled_apply_still_raises_a_stuck_scale_in_step():
         step([tf.fill([4, 3], NAN), tf.ones([3])])
     assert "LossScaleStuckError" in str(info.value)
     assert "w" in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["auto", True, False])
+def test_jit_compile_round_trips_through_config(value):
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam(), jit_compile=value)
+    config = opt.get_config()
+    assert config["jit_compile"] == value
+    assert tfdls.LossScaleOptimizer.from_config(config).jit_compile == value
 
 
 @pytest.mark.parametrize("value", ["yes", None, 1])

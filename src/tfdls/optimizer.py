@@ -129,8 +129,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             `tf.distribute` strategy or op determinism, when the inner
             optimizer is a built-in Keras optimizer without weight decay,
             EMA, gradient accumulation, constraints or sparse gradients;
-            ``True`` always, ``False`` never. Eager `apply` and steps that are
-            already XLA-compiled are unaffected. XLA may round the inner
+            ``True`` always, ``False`` never. Eager `apply`, steps that are
+            already XLA-compiled and multi-replica strategies are unaffected. XLA may round the inner
             update differently in the last bit; skipped steps stay exact.
 
     With a Keras `SGD` as inner optimizer the gradients are not unscaled in a
@@ -346,6 +346,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """Whether this apply runs as its own XLA cluster (see `jit_compile`)."""
         if self.jit_compile is False or not tf.inside_function() or _in_xla_context():
             return False
+        if _distribute._has_strategy():
+            return False  # replicas agree through merge calls, which XLA cannot hold
         if self.jit_compile is True:
             return True
         # "auto": where it is known to compile and to be faster.
