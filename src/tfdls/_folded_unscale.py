@@ -85,7 +85,7 @@ def install(inner_optimizer):
         return  # a Keras version without this hook: gradients are unscaled explicitly
     plain_update_step = type(inner_optimizer)._backend_update_step
 
-    def update_step(self, grads, trainable_variables, learning_rate):
+    def backend_update_step(self, grads, trainable_variables, learning_rate):
         if _active.scale is not None:
             learning_rate = tf.convert_to_tensor(learning_rate)
             reciprocal = tf.math.reciprocal(tf.cast(_active.scale, tf.float32))
@@ -93,9 +93,8 @@ def install(inner_optimizer):
         return plain_update_step(self, grads, trainable_variables, learning_rate)
 
     # object.__setattr__ keeps Keras' attribute tracking out of it.
-    object.__setattr__(
-        inner_optimizer, "_backend_update_step", types.MethodType(update_step, inner_optimizer)
-    )
+    bound = types.MethodType(backend_update_step, inner_optimizer)
+    object.__setattr__(inner_optimizer, "_backend_update_step", bound)
 
 
 @contextlib.contextmanager

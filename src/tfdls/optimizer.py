@@ -130,8 +130,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             optimizer is a built-in Keras optimizer without weight decay,
             EMA, gradient accumulation, constraints or sparse gradients;
             ``True`` always, ``False`` never. Eager `apply`, steps that are
-            already XLA-compiled and multi-replica strategies are unaffected. XLA may round the inner
-            update differently in the last bit; skipped steps stay exact.
+            already XLA-compiled and multi-replica strategies are unaffected.
+            XLA may round the inner update differently in the last bit;
+            skipped steps stay exact.
 
     With a Keras `SGD` as inner optimizer the gradients are not unscaled in a
     separate pass: SGD receives them scaled, with ``learning_rate / scale``
@@ -361,9 +362,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _loss_scaled_apply(self, grads, trainable_variables, arrived_unscaled):
         """Checks, updates the scale, applies; returns the stuck-report arguments or None."""
         checked = grads  # what the finiteness check reads
+        may_fall_below_one = self._scale_may_fall_below_one()
         fold = (
             not arrived_unscaled
-            and not self._scale_may_fall_below_one()
+            and not may_fall_below_one
             and _folded_unscale.eligible(self.inner_optimizer, grads, trainable_variables)
         )
         if fold:
@@ -374,7 +376,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             scale = self.loss_scale()
         elif not arrived_unscaled:
             unscaled = self._unscale(grads)
-            if self._scale_may_fall_below_one():
+            if may_fall_below_one:
                 # Multiplying by 1/scale > 1 can overflow: check the result.
                 checked = unscaled
             # Otherwise 1/scale <= 1 cannot turn a finite gradient non-finite,
