@@ -73,12 +73,15 @@ _active = _ActiveScale()
 
 
 def install(inner_optimizer):
-    """Routes `inner_optimizer`'s update step through the fold (idempotent).
+    """Routes a Keras `SGD`'s update step through the fold (idempotent).
 
-    Outside `learning_rate_divided_by` the installed step is the plain one.
-    Installed once, at build time, rather than per step: replicas run
-    concurrently and must not wrap each other's wrapper.
+    Other optimizers are left alone. Outside `learning_rate_divided_by` the
+    installed step is the plain one. Installed once, at build time, rather
+    than per step: replicas run concurrently and must not wrap each other's
+    wrapper.
     """
+    if type(inner_optimizer) is not keras.optimizers.SGD:
+        return
     if "_backend_update_step" in vars(inner_optimizer):
         return
     if not hasattr(type(inner_optimizer), "_backend_update_step"):

@@ -221,8 +221,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     @tracking.no_automatic_dependency_tracking
     def build(self, var_list):
         self.inner_optimizer.build(var_list)
-        if type(self.inner_optimizer) is keras.optimizers.SGD:
-            _folded_unscale.install(self.inner_optimizer)
+        _folded_unscale.install(self.inner_optimizer)
         # The generic Optimizer.build; Keras' LossScaleOptimizer.build would
         # create its own scale variables.
         super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
