@@ -48,6 +48,13 @@ and its own fresh inner optimizer of the same kind:
     ``bare``.
 ``tfdls_noattr``
     ``tfdls`` with ``overflow_attribution=False``, to price the attribution.
+``check_only``
+    ``tfdls.all_finite(grads)`` and nothing else: the read pass over the
+    gradients that every loss-scale optimizer must make before it writes
+    anything, measured. ``1 + its ratio`` is what a loss-scale optimizer would
+    cost if its check overlapped nothing of the update; an optimizer below that
+    reuses gradients the check left in cache. It has no variables: the benchmark
+    checks instead that it answered True.
 
 All loss-scale optimizers use a dynamic scale starting at 2**15 that grows every
 2000 finite steps; the gradients are finite, so every step is applied. After the
@@ -232,7 +239,7 @@ def available_variants():
     names = ["bare", "keras3"]
     if tf_keras is not None:
         names += ["tf_keras_bare", "tf_keras"]
-    names += ["bare_xla_apply", "tfdls", "tfdls_nojit", "tfdls_noattr"]
+    names += ["bare_xla_apply", "tfdls", "tfdls_nojit", "tfdls_noattr", "check_only"]
     return names
 
 
@@ -265,7 +272,9 @@ class Variant:
 def build_variant(name, workload, initial_values):
     """Builds fresh variables, a fresh optimizer and the traced step of one variant."""
     jit = workload.mode == "xla"
-    if name.startswith("tf_keras"):
+    if name == "check_only":
+        variables = []  # reads the gradients, writes nothing
+    elif name.startswith("tf_keras"):
         variables = [tf.Variable(v, dtype="float32") for v in initial_values]
     else:
         variables = [keras.Variable(v, dtype="float32") for v in initial_values]
@@ -309,6 +318,11 @@ def build_variant(name, workload, initial_values):
             current = float(opt.loss_scale().numpy()) if skipped == 0 else 0.0
             return current, float(opt.initial_scale)
 
+    elif name == "check_only":
+
+        def body(grads):
+            return tfdls.all_finite(grads)
+
     elif name == "tf_keras_bare":
         opt = _tf_keras_inner(workload.inner)
 
@@ -335,13 +349,23 @@ def build_variant(name, workload, initial_values):
     return Variant(name, step, variables, scale)
 
 
-def _sync(variant):
-    """Blocks until every queued step of `variant` has run (reads one scalar)."""
+def _sync(variant, last_output):
+    """Blocks until every queued step of `variant` has run (reads one scalar).
+
+    `last_output` is what the last step returned; a variant without variables
+    (``check_only``) is synced on it, and it must say the gradients are finite.
+    """
+    if not variant.variables:
+        if not bool(last_output.numpy()):
+            raise RuntimeError(f"{variant.name}: finite gradients were reported non-finite")
+        return
     flat = tf.reshape(tf.convert_to_tensor(variant.variables[-1]), [-1])
     return flat[0].numpy()
 
 
 def _snapshot(variant):
+    if not variant.variables:
+        return []
     return [np.array(tf.convert_to_tensor(variant.variables[i])) for i in (0, -1)]
 
 
@@ -390,8 +414,8 @@ def run_workload(
         for v in built:
             before = _snapshot(v)
             for _ in range(max(1, warmup)):
-                v.step(grads)
-            _sync(v)
+                out = v.step(grads)
+            _sync(v, out)
             snapshots[v.name] = _check_updates(v, before, "during warm-up")
         # A first trace that creates variables is traced twice by TensorFlow;
         # what matters is that timing never traces.
@@ -405,8 +429,8 @@ def run_workload(
             for v in built[shift:] + built[:shift]:
                 start = time.perf_counter()
                 for _ in range(calls):
-                    v.step(grads)
-                _sync(v)
+                    out = v.step(grads)
+                _sync(v, out)
                 times[v.name].append((time.perf_counter() - start) / calls)
 
         for v in built:
@@ -551,6 +575,7 @@ def format_markdown(results, settings):
         "tfdls": "tfdls LSO",
         "tfdls_nojit": "tfdls, jit_compile=False",
         "tfdls_noattr": "tfdls, attribution off",
+        "check_only": "check alone",
     }
     lines = [
         f"Date: {env['date']}; machine: {env['machine']}; Python {env['python']}; "

@@ -78,3 +78,26 @@ def test_workload_selection(bench):
     assert [w.name for w in bench.select_workloads("3x5-adam-graph")] == ["3x5-adam-graph"]
     with pytest.raises(SystemExit):
         bench.select_workloads("no-such-workload")
+
+
+def test_check_only_variant_reads_the_gradients_and_is_verified(bench):
+    import numpy as np
+    import tensorflow as tf
+
+    workload = bench.parse_workload("3x4x4-sgd-xla")
+    initial = [np.zeros((4, 4), np.float32)] * 3
+    variant = bench.build_variant("check_only", workload, initial)
+    assert variant.variables == []
+    finite = [tf.ones((4, 4))] * 3
+    poisoned = finite[:2] + [tf.constant(np.full((4, 4), np.nan, np.float32))]
+
+    out = variant.step(finite)
+    assert bool(out.numpy()) is True
+    bench._sync(variant, out)  # a True answer passes
+
+    out = variant.step(poisoned)
+    assert bool(out.numpy()) is False
+    # A check that says "non-finite" for the benchmark's finite gradients
+    # would be timing the wrong thing: the benchmark refuses it.
+    with pytest.raises(RuntimeError, match="reported non-finite"):
+        bench._sync(variant, out)
