@@ -46,8 +46,8 @@ class ContractModel:
                 self.since += 1
             else:
                 self.g = 0
-                self.h -= 1
-                if self.h <= 0:
+                self.h = max(self.h - 1, 0)
+                if self.h == 0:
                     shrunk = self.s / self.m if self.bf is None else self.s * self.bf
                     self.s = np.maximum(shrunk, self.min)
                 self.skipped += 1

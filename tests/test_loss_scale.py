@@ -302,17 +302,19 @@ def test_hysteresis_three_shrinks_after_third_overflow_since_growth():
     assert scale() == 32.0  # third overflow since the last growth
     ls.update([nan])
     assert scale() == 16.0  # budget exhausted: every further overflow shrinks
-    assert int(ls.hysteresis_budget.numpy()) == -1  # h -= 1 literally
+    assert int(ls.hysteresis_budget.numpy()) == 0  # and it stays at 0, never negative
+    ls.update([nan])
+    assert scale() == 8.0 and int(ls.hysteresis_budget.numpy()) == 0
     ls.update([one])
     ls.update([one])
-    assert scale() == 32.0  # growth ...
-    assert int(ls.hysteresis_budget.numpy()) == 3  # ... refills the budget
+    assert scale() == 16.0
+    assert int(ls.hysteresis_budget.numpy()) == 3  # growth refills the budget
     ls.update([nan])
-    ls.update([nan])
-    assert scale() == 32.0
     ls.update([nan])
     assert scale() == 16.0
-    assert int(ls.num_skipped_steps.numpy()) == 7
+    ls.update([nan])
+    assert scale() == 8.0
+    assert int(ls.num_skipped_steps.numpy()) == 8
 
 
 def test_counters_skipped_and_since_overflow():

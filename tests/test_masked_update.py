@@ -1,6 +1,18 @@
-"""The branch-free (masked) skip used inside XLA steps: a skipped step must
-leave every variable bit-identical, including -0.0, and the eligibility rule
-must send everything that writes variables directly back to the tf.cond."""
+"""Every optimizer class keras.optimizers exports, wrapped, in every mode:
+
+* a skipped step leaves the model variables, every inner-optimizer variable
+  and `iterations` bit-identical (including -0.0 and subnormal values);
+* a finite step equals the bare inner optimizer fed the true gradients.
+
+Modes: eager; a graph-mode `tf.function` with each `jit_compile` value of the
+wrapper (auto compiles the apply, False keeps plain graph ops, True forces
+compilation); and an XLA-compiled step. Plus the trace-time audit that guards
+the branch-free (masked) skip: an optimizer that writes a variable behind the
+masked methods' back falls back to the cond, loudly.
+"""
+
+import inspect
+import warnings
 
 import keras
 import numpy as np
@@ -10,79 +22,206 @@ import tensorflow as tf
 import tfdls
 from tfdls import _masked_update
 
+NAN = float("nan")
+SCALE = 2.0**12
+
+EXPORTED = sorted(
+    name
+    for name, obj in vars(keras.optimizers).items()
+    if inspect.isclass(obj)
+    and issubclass(obj, keras.optimizers.Optimizer)
+    and obj not in (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer)
+)
+
+
+def _make(name):
+    if name == "MultiOptimizer":
+        optimizer_map = keras.optimizers.OptimizerMap(keras.optimizers.Adam(1e-2))
+        optimizer_map["b"] = keras.optimizers.SGD(0.1, momentum=0.9)
+        return keras.optimizers.MultiOptimizer(optimizer_map)
+    cls = getattr(keras.optimizers, name)
+    return cls(learning_rate=1e-2)
+
+
+MODES = {
+    "eager": (None, "auto"),
+    "graph-auto": (False, "auto"),
+    "graph-jit-false": (False, False),
+    "graph-jit-true": (False, True),
+    "xla": (True, "auto"),
+}
+
+
+def _variables():
+    # -0.0 and a float32 subnormal: a skip must keep their exact bits.
+    w = np.array([[-0.0, 1e-40, 1.5], [0.25, -2.0, 0.0], [3.0, -0.5, 1e-3], [0.7, 0.1, -1.0]])
+    return [
+        keras.Variable(w.astype("float32"), name="w"),
+        keras.Variable(np.array([0.5, -0.0, 2.0], "float32"), name="b"),
+    ]
+
+
+def _true_grads(step):
+    rng = np.random.default_rng(step)
+    return [rng.normal(size=(4, 3)).astype("float32"), rng.normal(size=(3,)).astype("float32")]
+
+
+def _step_fn(fn, mode):
+    xla, _ = MODES[mode]
+    if xla is None:
+        return fn
+    return tf.function(fn, jit_compile=xla)
+
 
 def _bits(values):
-    return [np.asarray(v).tobytes() for v in values]
+    return [np.asarray(keras.ops.convert_to_numpy(v)).tobytes() for v in values]
+
+
+def test_every_exported_class_is_listed_as_supported():
+    # The matrix below runs them all; a new Keras class must be added on purpose.
+    assert sorted(_masked_update.SUPPORTED_CLASS_NAMES) == EXPORTED
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("name", EXPORTED)
+def test_skipped_step_is_bit_identical_and_finite_steps_match_bare(name, mode):
+    _, jit_compile = MODES[mode]
+    variables, bare_variables = _variables(), _variables()
+    opt = tfdls.LossScaleOptimizer(
+        _make(name), tfdls.DynamicLossScale(SCALE, increment_period=1000), jit_compile=jit_compile
+    )
+    bare = _make(name)
+    step = _step_fn(lambda g: opt.apply(g, variables), mode)
+    bare_step = _step_fn(lambda g: bare.apply(g, bare_variables), mode)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback warning
+        for i in range(2):
+            true = _true_grads(i)
+            step([tf.constant(g * np.float32(SCALE)) for g in true])
+            bare_step([tf.constant(g) for g in true])
+        if mode != "eager":
+            assert opt.step_plan.skip == "masked", opt.step_plan.reason
+        state = variables + opt.inner_optimizer.variables
+        before = _bits(state)
+        poisoned = [tf.constant(g * np.float32(SCALE)) for g in _true_grads(2)]
+        poisoned[0] = tf.tensor_scatter_nd_update(poisoned[0], [[1, 2]], [NAN])
+        step(poisoned)
+
+    assert _bits(state) == before
+    assert int(opt.iterations.numpy()) == 2
+    assert float(opt.loss_scale().numpy()) == SCALE / 2
+    for mine, theirs in zip(variables, bare_variables):
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(mine), keras.ops.convert_to_numpy(theirs),
+            rtol=2e-5, atol=1e-7,
+        )
+    step([tf.constant(g * np.float32(SCALE / 2)) for g in _true_grads(3)])
+    assert int(opt.iterations.numpy()) == 3  # and it applies again
+
+
+# -- the audit --------------------------------------------------------------------
+
+
+class SideCounter(keras.optimizers.SGD):
+    """SGD that also counts its updates in a variable it does not report."""
+
+    def build(self, variables):
+        super().build(variables)
+        with tf.init_scope():
+            self.calls = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def update_step(self, gradient, variable, learning_rate):
+        super().update_step(gradient, variable, learning_rate)
+        self.calls.assign_add(1)
+
+
+class DirectWriter(keras.optimizers.SGD):
+    """SGD that writes the variable itself instead of through self.assign_sub."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        lr = tf.cast(learning_rate, variable.dtype)
+        variable.assign(variable - tf.cast(gradient, variable.dtype) * lr)
+
+
+def _poisoned_run(inner):
+    variables = _variables()
+    opt = tfdls.LossScaleOptimizer(inner, jit_compile=False)
+    step = tf.function(lambda g: opt.apply(g, variables))
+    step([tf.ones([4, 3]), tf.ones([3])])
+    before = _bits(variables + inner.variables)
+    step([tf.fill([4, 3], NAN), tf.ones([3])])
+    return opt, variables, before
+
+
+def test_a_class_not_on_the_list_takes_the_cond():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        opt, variables, before = _poisoned_run(DirectWriter(0.1))
+    assert opt.step_plan.skip == "cond"
+    assert "DirectWriter is not one of Keras' own optimizer classes" in opt.step_plan.reason
+    assert _bits(variables + opt.inner_optimizer.variables) == before
+
+
+def test_an_unknown_write_fails_the_audit_and_falls_back_loudly(monkeypatch):
+    # Pretend a future Keras class wrote a variable tfdls does not know of.
+    monkeypatch.setattr(_masked_update, "SUPPORTED", _masked_update.SUPPORTED | {SideCounter})
+    inner = SideCounter(0.1)
+    with pytest.warns(RuntimeWarning, match=r"could not be shown to skip exactly.*writes a variable"):
+        opt, variables, before = _poisoned_run(inner)
+    assert opt.step_plan.skip == "masked"  # planned, then refused by the audit
+    assert _bits(variables + inner.variables) == before
+    assert int(inner.calls.numpy()) == 2  # the first step only (two variables)
+
+
+def test_direct_writes_to_known_variables_are_restored(monkeypatch):
+    monkeypatch.setattr(_masked_update, "SUPPORTED", _masked_update.SUPPORTED | {DirectWriter})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        opt, variables, before = _poisoned_run(DirectWriter(0.1))
+    assert _bits(variables + opt.inner_optimizer.variables) == before
+
+
+def test_audit_lists_the_restored_variables():
+    variables = _variables()
+    inner = keras.optimizers.AdamW(1e-2, weight_decay=0.1)
+    inner.build(variables)
+    audits = []
+
+    @tf.function
+    def step(grads):
+        audits.append(
+            _masked_update.apply(inner, grads, variables, tf.constant(True))
+        )
+
+    step([tf.ones([4, 3]), tf.ones([3])])
+    (audit,) = audits
+    assert audit.exact, audit.reason
+    # The step counter and the weight-decayed variables are written directly.
+    assert any("iteration" in name for name in audit.restored), audit.restored
+    assert {"w", "b"} <= {name.split(":")[0].split("/")[-1] for name in audit.restored}
 
 
 @pytest.mark.parametrize(
-    "make_inner",
+    "make_inner, reason",
     [
-        lambda: keras.optimizers.Adam(1e-2),
-        lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
-        lambda: keras.optimizers.RMSprop(1e-2),
-        lambda: keras.optimizers.Adagrad(1e-2),
+        (lambda: keras.optimizers.Adam(gradient_accumulation_steps=2), "accumulation"),
+        (lambda: keras.optimizers.Adam(use_ema=True, ema_overwrite_frequency=2), "ema"),
     ],
-    ids=["adam", "sgd_momentum", "rmsprop", "adagrad"],
+    ids=["accumulation", "ema-overwrite"],
 )
-def test_xla_skip_is_bit_identical(make_inner):
-    init = np.array([[-0.0, 1.5], [0.0, -2.25]], "float32")
-    w = keras.Variable(init, name="w")
-    b = keras.Variable(np.array([-0.0, 3.0], "float32"), name="b")
-    opt = tfdls.LossScaleOptimizer(make_inner(), loss_scale=tfdls.DynamicLossScale(2.0**4))
-    assert _masked_update.eligible(opt.inner_optimizer, [tf.ones(2)], [w, b])
-
-    @tf.function(jit_compile=True)
-    def step(gw, gb):
-        opt.apply([gw, gb], [w, b])
-
-    step(tf.ones((2, 2)) * 16.0, tf.ones(2) * 16.0)  # a finite step first
-    state = [w.numpy(), b.numpy()] + [v.numpy() for v in opt.inner_optimizer.variables]
-    iterations = int(opt.iterations.numpy())
-    # Plant -0.0 in the variables so that "var + 0" would be caught.
-    w.assign(tf.constant([[-0.0, 1.0], [2.0, -0.0]]))
-    state[0] = w.numpy()
-
-    step(tf.constant([[1.0, np.nan], [1.0, 1.0]]), tf.ones(2))
-    after = [w.numpy(), b.numpy()] + [v.numpy() for v in opt.inner_optimizer.variables]
-    assert _bits(after) == _bits(state)
-    assert int(opt.iterations.numpy()) == iterations
-    assert float(opt.loss_scale()) == 8.0
-
-    step(tf.ones((2, 2)), tf.ones(2))  # and it applies again
-    assert int(opt.iterations.numpy()) == iterations + 1
-    assert not np.array_equal(b.numpy(), state[1])
+def test_features_that_branch_inside_the_update_take_the_cond(make_inner, reason):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        opt, variables, before = _poisoned_run(make_inner())
+    assert opt.step_plan.skip == "cond" and reason in opt.step_plan.reason
+    assert _bits(variables + opt.inner_optimizer.variables) == before
 
 
-def test_masked_finite_step_equals_cond_step():
-    """Inside and outside XLA the same finite step gives the same numbers."""
-    results = []
-    for jit in (True, False):
-        w = keras.Variable(np.linspace(-1, 1, 6, dtype="float32").reshape(2, 3), name="w")
-        opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam(1e-2))
-        step = tf.function(lambda g: opt.apply([g], [w]), jit_compile=jit)
-        for i in range(3):
-            step(tf.fill([2, 3], 2.0**15 * (i + 1) * 0.1))
-        results.append(w.numpy())
-    np.testing.assert_allclose(results[0], results[1], rtol=1e-6)
-
-
-def test_eligibility_excludes_direct_writers():
-    w = keras.Variable(np.ones(2, "float32"), name="w")
-    g = [tf.ones(2)]
-    assert _masked_update.eligible(keras.optimizers.Adam(), g, [w])
-    assert not _masked_update.eligible(keras.optimizers.AdamW(weight_decay=0.1), g, [w])
-    assert not _masked_update.eligible(keras.optimizers.Adam(use_ema=True), g, [w])
-    assert not _masked_update.eligible(
-        keras.optimizers.Adam(gradient_accumulation_steps=2), g, [w]
-    )
-    sparse = [tf.IndexedSlices(tf.ones([1]), tf.constant([0]), tf.constant([2]))]
-    assert not _masked_update.eligible(keras.optimizers.Adam(), sparse, [w])
-    constrained = keras.Variable(np.ones(2, "float32"))
-    constrained.constraint = keras.constraints.NonNeg()  # as Layer.add_weight does
-    assert not _masked_update.eligible(keras.optimizers.Adam(), g, [constrained])
-
-    class Custom(keras.optimizers.SGD):
-        pass
-
-    assert not _masked_update.eligible(Custom(), g, [w])
+def test_sparse_gradients_take_the_cond():
+    variable = keras.Variable(np.ones((4, 2), "float32"), name="table")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam(), jit_compile=False)
+    step = tf.function(lambda g: opt.apply([g], [variable]))
+    sparse = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([1]), tf.constant([4, 2]))
+    step(sparse)
+    assert opt.step_plan.skip == "cond" and "sparse" in opt.step_plan.reason

@@ -323,11 +323,16 @@ def test_counters_restore_through_the_optimizer(tmp_path):
 # -- min-scale policy -------------------------------------------------------------
 
 
-def _stuck_run(policy, jit_compile=False, stuck_steps=4):
+STEP_MODES = ["eager", "graph", "xla"]
+
+
+def _stuck_run(policy, mode="graph", stuck_steps=4):
     """Two finite steps, then `stuck_steps` NaN steps at the minimum scale."""
     alpha, beta = _two_variables()
     opt = _stuck_opt(policy)
-    step = tf.function(_poisoned_step(opt, [alpha, beta]), jit_compile=jit_compile)
+    step = _poisoned_step(opt, [alpha, beta])
+    if mode != "eager":
+        step = tf.function(step, jit_compile=mode == "xla")
     step(_flags(False, False))
     step(_flags(False, False))
     for _ in range(stuck_steps):
@@ -339,10 +344,15 @@ def _runtime_warnings(record):
     return [w for w in record if issubclass(w.category, RuntimeWarning)]
 
 
-def test_warn_policy_warns_once_with_step_and_name():
+@pytest.mark.parametrize("mode", STEP_MODES)
+def test_warn_policy_warns_once_at_the_host_check_in_every_mode(mode):
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        opt = _stuck_run("warn")
+        opt = _stuck_run("warn", mode)
+        assert _runtime_warnings(record) == []  # the steps never call the host
+        opt.check_min_scale_policy()
+        opt.check_min_scale_policy()
+        opt.last_overflow()
     stuck = _runtime_warnings(record)
     assert len(stuck) == 1, [str(w.message) for w in stuck]
     message = str(stuck[0].message)
@@ -353,42 +363,29 @@ def test_warn_policy_warns_once_with_step_and_name():
     assert float(opt.loss_scale().numpy()) == 1.0
 
 
-def test_warn_policy_with_pytest_warns():
-    with pytest.warns(RuntimeWarning, match=r"minimum \(1\).*step 2.*block/beta"):
-        _stuck_run("warn", stuck_steps=2)
+@pytest.mark.parametrize("mode", STEP_MODES)
+def test_raise_policy_raises_the_plain_error_at_the_host_check_in_every_mode(mode):
+    opt = _stuck_run("raise", mode, stuck_steps=2)  # the steps themselves do not raise
+    with pytest.raises(tfdls.LossScaleStuckError, match=r"minimum \(1\).*step 2.*block/beta"):
+        opt.check_min_scale_policy()
+    opt.check_min_scale_policy()  # reported once: nothing new since
+    opt = _stuck_run("raise", mode, stuck_steps=1)
+    with pytest.raises(tfdls.LossScaleStuckError):
+        opt.last_overflow()
 
 
-def test_raise_policy_in_tf_function():
-    alpha, beta = _two_variables()
-    opt = _stuck_opt("raise")
-    step = tf.function(_poisoned_step(opt, [alpha, beta]))
-    step(_flags(False, False))
-    with pytest.raises(Exception, match="loss scale is at its minimum") as info:
-        step(_flags(True, False))
-    assert "LossScaleStuckError" in str(info.value)
-    assert "block/alpha" in str(info.value)
-    assert "step 1" in str(info.value)
-
-
-def test_raise_policy_eager():
-    alpha, beta = _two_variables()
-    opt = _stuck_opt("raise")
-    step = _poisoned_step(opt, [alpha, beta])
-    with pytest.raises(Exception, match="loss scale is at its minimum") as info:
-        step(_flags(True, True))
-    assert "LossScaleStuckError" in str(info.value) or isinstance(
-        info.value, tfdls.LossScaleStuckError
-    )
-
-
-def test_raise_policy_from_fit():
-    model, x, y = _nan_model(_stuck_opt("raise"), jit_compile=False)
-    with pytest.raises(Exception, match="loss scale is at its minimum"):
-        model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_raise_policy_from_fit_without_a_monitor_at_the_end(jit_compile):
+    model, x, y = _nan_model(_stuck_opt("raise"), jit_compile=jit_compile)
+    epochs = []
+    logger = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: epochs.append(epoch))
+    with pytest.raises(tfdls.LossScaleStuckError, match="loss scale is at its minimum"):
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[logger])
+    assert epochs == [0, 1]  # heard at the end of fit, after the last epoch
 
 
 def test_no_policy_event_above_the_minimum():
-    """Overflows while the scale can still fall are normal: no warning."""
+    """Overflows while the scale can still fall are normal: no report."""
     alpha, beta = _two_variables()
     opt = tfdls.LossScaleOptimizer(
         keras.optimizers.SGD(0.1),
@@ -399,8 +396,10 @@ def test_no_policy_event_above_the_minimum():
     for _ in range(3):  # 8 -> 4 -> 2 -> 1: the scale was above the minimum each time
         step(_flags(True, False))
     assert float(opt.loss_scale().numpy()) == 1.0
-    with pytest.raises(Exception, match="loss scale is at its minimum"):
-        step(_flags(True, False))
+    opt.check_min_scale_policy()
+    step(_flags(True, False))
+    with pytest.raises(tfdls.LossScaleStuckError, match="loss scale is at its minimum"):
+        opt.check_min_scale_policy()
 
 
 def test_ignore_policy_is_silent():
@@ -408,37 +407,26 @@ def test_ignore_policy_is_silent():
         warnings.simplefilter("always")
         opt = _stuck_run("ignore")
         opt.check_min_scale_policy()
+        opt.last_overflow()
     assert _runtime_warnings(record) == []
     assert int(opt.loss_scale.num_skipped_steps.numpy()) == 4
 
 
-def test_xla_raise_policy_fires_via_check():
-    opt = _stuck_run("raise", jit_compile=True, stuck_steps=2)  # no host call in XLA
-    with pytest.raises(tfdls.LossScaleStuckError, match=r"minimum.*step 2.*block/beta"):
-        opt.check_min_scale_policy()
-    # Reported once: nothing new since.
-    opt.check_min_scale_policy()
-
-
-def test_xla_warn_policy_fires_via_check_once():
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        opt = _stuck_run("warn", jit_compile=True)
-        assert _runtime_warnings(record) == []
-        opt.check_min_scale_policy()
-        opt.check_min_scale_policy()
-    stuck = _runtime_warnings(record)
-    assert len(stuck) == 1
-    assert "block/beta" in str(stuck[0].message) and "step 2" in str(stuck[0].message)
-
-
-def test_xla_fit_raise_policy_via_monitor():
-    model, x, y = _nan_model(_stuck_opt("raise"), jit_compile=True)
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_fit_raise_policy_via_monitor_at_the_first_logged_batch(jit_compile):
+    model, x, y = _nan_model(_stuck_opt("raise"), jit_compile=jit_compile)
+    batches = []
+    logger = keras.callbacks.LambdaCallback(on_batch_end=lambda batch, logs: batches.append(batch))
+    monitor = tfdls.LossScaleMonitor(update_freq=1)
     with pytest.raises(tfdls.LossScaleStuckError, match="loss scale is at its minimum"):
-        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[tfdls.LossScaleMonitor()])
+        model.fit(
+            np.concatenate([x, x]), np.concatenate([y, y]), batch_size=16, epochs=2,
+            verbose=0, callbacks=[monitor, logger], shuffle=False,
+        )
+    assert batches == []  # the monitor ran first and stopped fit after batch 0
 
 
-def test_xla_fit_warn_policy_via_monitor():
+def test_fit_warn_policy_via_monitor():
     model, x, y = _nan_model(_stuck_opt("warn"), jit_compile=True)
     with pytest.warns(RuntimeWarning, match=r"minimum.*lin/kernel"):
         model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[tfdls.LossScaleMonitor()])
@@ -564,9 +552,35 @@ def test_monitor_writes_tensorboard_scalars(tmp_path):
     assert sorted(scalars) == sorted(f"loss_scale/{k}" for k in EXPECTED_HISTORY)
     for key in EXPECTED_HISTORY:
         steps, values = zip(*sorted(scalars[f"loss_scale/{key}"]))
-        # Step = optimizer iterations at each epoch end: 5 - 2 skipped, then 8.
-        assert steps == (3, 8)
+        # Step = training batches run, skipped ones included (Keras
+        # TensorBoard's batch axis), not optimizer iterations (3 and 8 here).
+        assert steps == (5, 10)
         assert list(values) == [float(v) for v in history.history[key]]
+
+
+class TensorBoardBatchAxis(keras.callbacks.Callback):
+    """Counts batches as keras.callbacks.TensorBoard numbers its batch points."""
+
+    def on_train_begin(self, logs=None):
+        self.batch = 0
+        self.steps = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.batch += 1  # as TensorBoard's _global_train_batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps.append(self.batch)
+
+
+def test_monitor_batch_points_line_up_with_tensorboard_and_are_written_once(tmp_path):
+    log_dir = str(tmp_path / "logs")
+    axis = TensorBoardBatchAxis()
+    # 5 batches per epoch: update_freq=5 logs the last batch, then the epoch end.
+    _monitored_fit(False, tfdls.LossScaleMonitor(log_dir=log_dir, update_freq=5), [axis])
+    scalars = _event_scalars(log_dir)
+    steps = [step for step, _ in scalars["loss_scale/loss_scale"]]
+    assert steps == [5, 10]  # no duplicate point at an epoch end
+    assert set(steps) <= set(axis.steps)
 
 
 def test_monitor_reads_only_at_epoch_end(monkeypatch):

@@ -2,9 +2,9 @@
 
 __version__ = "0.1.0"
 
-from tfdls import _requirements
-
-_requirements.check()
+# Checks the TensorFlow and Keras versions, and every private name tfdls uses,
+# before anything else is imported.
+from tfdls import _compat  # noqa: F401
 
 from tfdls.callbacks import LossScaleMonitor  # noqa: E402
 from tfdls.finite import all_finite  # noqa: E402
@@ -18,6 +18,7 @@ from tfdls.loss_scale import (  # noqa: E402
 )
 from tfdls.optimizer import LossScaleOptimizer  # noqa: E402
 from tfdls.overflow import LossScaleStuckError, OverflowReport  # noqa: E402
+from tfdls._plan import StepPlan  # noqa: E402
 
 __all__ = [
     "DynamicLossScale",
@@ -27,6 +28,7 @@ __all__ = [
     "LossScaleOptimizer",
     "LossScaleStuckError",
     "OverflowReport",
+    "StepPlan",
     "all_finite",
     "deserialize",
     "get",

@@ -1,74 +1,90 @@
 """Everything tfdls does differently under `tf.distribute`, in one place.
 
-Two questions need an answer that every replica shares:
+Three things need care when several replicas train together:
 
-* "are all gradients finite?" - one replica's overflow must make every
-  replica skip, or the replicas' weights drift apart;
-* "apply the inner optimizer or not?" - a `tf.cond` in replica context may not
-  contain a `merge_call`, and Keras' optimizers `merge_call` under strategies
-  that need one (MirroredStrategy on CPU), so the branch is taken in
-  cross-replica context there.
+* state (the loss scale, counters, diagnostics) is one value that every
+  replica updates identically: `state_variable`;
+* "are all gradients finite?" must get the same answer on every replica, or
+  their weights drift apart: `sum_over_replicas` all-reduces the per-gradient
+  counts (tf.distribute reduces only SUM/MEAN of numbers, hence counts rather
+  than booleans);
+* "apply the inner optimizer or not?", where it is a `tf.cond`: a cond in
+  replica context may not contain a `merge_call`, and Keras' optimizers call
+  one under strategies that need it (MirroredStrategy and
+  MultiWorkerMirroredStrategy, except MirroredStrategy on GPUs inside XLA), so
+  there the branch is taken in cross-replica context: `apply_if`.
 """
 
 import tensorflow as tf
 
-from tfdls.finite import finite_flags, gradient_values
+from tfdls import _compat
 
 
-def _has_strategy():
+def replicas_in_sync():
+    """Number of replicas of the current strategy (1 without one)."""
+    return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def has_strategy():
     """True under a strategy with more than one replica in sync."""
-    return (
-        tf.distribute.has_strategy()
-        and tf.distribute.get_strategy().num_replicas_in_sync > 1
-    )
+    return tf.distribute.has_strategy() and replicas_in_sync() > 1
 
 
-def _local_nonfinite(values):
-    """1.0 per gradient that holds NaN/Inf on this replica, else 0.0."""
-    return tf.cast(tf.logical_not(finite_flags(values)), tf.float32)
+def needs_merge_call():
+    """True where Keras' optimizers synchronize replicas through `merge_call`."""
+    return has_strategy() and not _compat.strategy_supports_no_merge_call()
 
 
-def agreed_nonfinite_counts(values):
-    """Per gradient, how many replicas saw a non-finite value (float vector).
+def in_cross_replica_context():
+    return has_strategy() and tf.distribute.in_cross_replica_context()
 
-    `values` is a list of dense gradient tensors. Without a multi-replica
-    strategy this is 0.0/1.0 per gradient; in replica context it is
-    all-reduced (tf.distribute reduces only SUM/MEAN and no booleans, hence
-    the float count), so every replica (and worker) gets the same vector and
-    one replica's overflow is seen by all.
+
+def state_variable(name, initial_value, dtype):
+    """A non-trainable variable that every replica updates to the same value.
+
+    ONLY_FIRST_REPLICA: every replica computes the same new value (decisions
+    are all-reduced first), so any copy may be written, and the variable may
+    be assigned in replica context. Created in `tf.init_scope`, so that a
+    first call inside a `tf.function` (or `strategy.run`) lifts it out.
     """
-    local = _local_nonfinite(values)
-    if not _has_strategy():
-        return local
-    if tf.distribute.in_cross_replica_context():
-        raise ValueError("agreed_nonfinite_counts() needs a replica context")
-    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, local)
-
-
-def agreed_all_finite(grads):
-    """`all_finite(grads)`, agreed on by every replica.
-
-    Works in replica context (see `agreed_nonfinite_counts`) and in
-    cross-replica context, where `grads` may hold per-replica values: each
-    replica's answer is computed and the answers are reduced.
-    """
-    if _has_strategy() and tf.distribute.in_cross_replica_context():
-        strategy = tf.distribute.get_strategy()
-        # Each replica counts locally; the one reduction below combines them.
-        per_replica = strategy.extended.call_for_each_replica(
-            lambda g: tf.reduce_sum(_local_nonfinite(gradient_values(g))),
-            args=(grads,),
+    with tf.init_scope():
+        return tf.Variable(
+            initial_value,
+            name=name,
+            dtype=dtype,
+            trainable=False,
+            synchronization=tf.VariableSynchronization.ON_WRITE,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
-        overflowed = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-        return tf.equal(overflowed, 0.0)
-    return tf.equal(tf.reduce_sum(agreed_nonfinite_counts(gradient_values(grads))), 0.0)
+
+
+def sum_over_replicas(value):
+    """All-reduces `value` (SUM) over the replicas; identity without a strategy.
+
+    Must be called in replica context.
+    """
+    if not has_strategy():
+        return value
+    if tf.distribute.in_cross_replica_context():
+        raise ValueError(
+            "tfdls: this must be called in a replica context (inside strategy.run "
+            "or model.fit), not in cross-replica context."
+        )
+    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+def sum_of_per_replica(fn, per_replica_args):
+    """In cross-replica context: `fn` on each replica's values, summed (a scalar)."""
+    strategy = tf.distribute.get_strategy()
+    per_replica = strategy.extended.call_for_each_replica(fn, args=(per_replica_args,))
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
 
 def apply_if(should_apply, apply_fn, args=()):
-    """Runs `apply_fn(*args)` iff the scalar bool `should_apply` is true.
+    """Runs `apply_fn(*args)` iff the scalar bool `should_apply` is true (a `tf.cond`).
 
-    `should_apply` must already be the same on every replica (see
-    `agreed_all_finite`). Must be called in replica context.
+    `should_apply` must already be the same on every replica. Must be called
+    in replica context.
     """
 
     def conditional(pred, *fn_args):
@@ -78,7 +94,7 @@ def apply_if(should_apply, apply_fn, args=()):
 
         return tf.cond(pred, apply_branch, lambda: tf.constant(False))
 
-    if not _has_strategy():
+    if not has_strategy():
         conditional(should_apply, *args)
         return
     if tf.distribute.in_cross_replica_context():
@@ -86,7 +102,7 @@ def apply_if(should_apply, apply_fn, args=()):
             "LossScaleOptimizer.apply() must be called in a replica context "
             "(inside strategy.run or model.fit), not in cross-replica context."
         )
-    if tf.__internal__.distribute.strategy_supports_no_merge_call():
+    if not needs_merge_call():
         conditional(should_apply, *args)
         return
 

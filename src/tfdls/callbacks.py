@@ -2,12 +2,13 @@
 
 import keras
 import tensorflow as tf
-from tensorflow.core.framework import summary_pb2
+
+from tfdls import _compat
 
 # tf.summary.scalar needs the tensorboard package, which tensorflow-cpu does
 # not install; writing with the scalars plugin's metadata needs nothing more.
-_SCALAR_METADATA = summary_pb2.SummaryMetadata(
-    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+_SCALAR_METADATA = _compat.summary_pb2.SummaryMetadata(
+    plugin_data=_compat.summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
 ).SerializeToString()
 
 
@@ -30,11 +31,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
     ``steps_since_overflow``, so they show in the progress bar, in `History`
     and in any `keras.callbacks.TensorBoard` placed after this callback.
     With `log_dir`, they are also written as TensorBoard scalars (tag
-    ``loss_scale/...``, step = optimizer iterations).
+    ``loss_scale/...``), once per point, at step = the number of training
+    batches run in this `fit` call: the batch axis of Keras' `TensorBoard`
+    callback (skipped steps count; the optimizer's `iterations` do not).
 
     Device values are read only at the logging frequency: every `update_freq`
-    batches, and at the end of each epoch. It also applies the optimizer's
-    `min_scale_policy` for XLA steps, which cannot call the host themselves.
+    batches, and at the end of each epoch. At the same points it applies the
+    optimizer's `min_scale_policy` (`check_min_scale_policy()`), so with
+    ``update_freq=1`` a stuck scale stops `fit` after the batch it happened in.
 
     Args:
         log_dir: optional directory for TensorBoard scalars.
@@ -61,11 +65,18 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.log_dir = log_dir
         self.update_freq = update_freq
         self._writer = None
+        self._batches = 0  # training batches run in this fit (Keras TensorBoard's axis)
+        self._last_written = None
 
     def on_train_begin(self, logs=None):
         self._optimizer = _find_loss_scale_optimizer(self.model)
+        self._batches = 0
+        self._last_written = None
         if self.log_dir is not None and self._writer is None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._batches += 1
 
     def _read(self):
         """One host read of the scale state (the only sync this callback makes)."""
@@ -82,8 +93,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         values = self._read()
         if logs is not None:
             logs.update(values)
-        if self._writer is not None:
-            step = int(self._optimizer.iterations.numpy())
+        if self._writer is not None and self._last_written != self._batches:
+            # An epoch that ends on a logged batch is written once.
+            self._last_written = step = self._batches
             with self._writer.as_default():
                 for key, value in values.items():
                     tf.summary.write(

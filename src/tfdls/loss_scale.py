@@ -15,7 +15,8 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from tfdls import _distribute
+from tfdls import finite
+from tfdls._distribute import state_variable
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Smallest normal float32: TensorFlow's CPU kernels flush subnormals to zero,
@@ -48,26 +49,13 @@ def _check_int(name, value, minimum):
     return int(value)
 
 
-def state_variable(name, initial_value, dtype):
-    """A non-trainable state variable that replicas update in lockstep."""
-    # ONLY_FIRST_REPLICA: every replica computes the same new value (the
-    # finiteness decision is all-reduced first), so any copy may be written,
-    # and the variable may be assigned in replica context.
-    return tf.Variable(
-        initial_value,
-        name=name,
-        dtype=dtype,
-        trainable=False,
-        synchronization=tf.VariableSynchronization.ON_WRITE,
-        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-    )
-
-
 class LossScale(tf.Module, metaclass=abc.ABCMeta):
     """Base class of loss scales: a `tf.Module` whose state is `tf.Variable`s.
 
     Subclasses implement `__call__`, `update` and `get_config`; a custom loss
-    scale passed to `LossScaleOptimizer` is driven through `update(grads)`.
+    scale passed to `LossScaleOptimizer` is driven through `update(grads)`,
+    which receives the *unscaled* gradients (as in TensorFlow 2.4) and must
+    return the same decision on every replica.
 
     Example, a scale that halves on overflow and never grows:
 
@@ -78,11 +66,16 @@ class LossScale(tf.Module, metaclass=abc.ABCMeta):
     ...     def __call__(self):
     ...         return tf.convert_to_tensor(self.value)
     ...     def update(self, grads):
-    ...         ok = tfdls.all_finite(grads)
+    ...         # across_replicas: one replica's overflow skips the step everywhere.
+    ...         ok = tfdls.all_finite(grads, across_replicas=True)
     ...         op = self.value.assign(tf.where(ok, self.value, self.value / 2))
     ...         return op, ok
     ...     def get_config(self):
     ...         return {"value": float(self.value.numpy())}
+    >>> ls = HalvingLossScale()
+    >>> _, ok = ls.update([tf.constant([1.0, float("inf")])])
+    >>> bool(ok), float(ls())
+    (False, 16384.0)
     """
 
     @abc.abstractmethod
@@ -91,10 +84,15 @@ class LossScale(tf.Module, metaclass=abc.ABCMeta):
 
     @abc.abstractmethod
     def update(self, grads):
-        """Updates the state from this step's (scaled) gradients.
+        """Updates the state from this step's gradients.
 
         Args:
-            grads: a nest of gradient tensors, `tf.IndexedSlices` or `None`.
+            grads: a nest of unscaled gradient tensors, `tf.IndexedSlices` or
+                `None` (`LossScaleOptimizer` passes the gradients it is about
+                to apply, already divided by the scale). Under a
+                `tf.distribute` strategy these are one replica's gradients:
+                the decision must be agreed on by all replicas (see
+                `tfdls.all_finite(grads, across_replicas=True)`).
 
         Returns:
             `(update_op, should_apply_gradients)`: the op that updated the
@@ -166,8 +164,8 @@ class DynamicLossScale(LossScale):
             should_apply = True
         else:
             g = 0
-            h -= 1
-            if h <= 0:
+            h = max(h - 1, 0)
+            if h == 0:
                 if backoff_factor is set: s = max(s * backoff_factor, min_loss_scale)
                 else:                     s = max(s / multiplier, min_loss_scale)
             should_apply = False
@@ -295,7 +293,7 @@ class DynamicLossScale(LossScale):
         return tf.convert_to_tensor(self.current_loss_scale)
 
     def update(self, grads):
-        is_finite = _distribute.agreed_all_finite(grads)
+        is_finite = finite.all_finite(grads, across_replicas=True)
         return self.update_from_decision(is_finite), is_finite
 
     def update_from_decision(self, is_finite):
@@ -322,7 +320,9 @@ class DynamicLossScale(LossScale):
         h_finite = tf.where(grow, tf.constant(self._hysteresis, tf.int64), h)
 
         # Non-finite gradients.
-        h_overflow = h - 1
+        # Clamped at 0: the budget counts overflows still tolerated, never
+        # negative; at 0 every further overflow shrinks the scale.
+        h_overflow = tf.maximum(h - 1, 0)
         if self._backoff_factor is None:
             # A true division, to match the seed bit for bit. Grappler and XLA
             # rewrite x / const into x * (1 / const), which is not correctly
@@ -334,7 +334,7 @@ class DynamicLossScale(LossScale):
         else:
             shrunk = s * tf.constant(self._backoff_factor, tf.float32)
         shrunk = tf.maximum(shrunk, self._min_loss_scale)
-        s_overflow = tf.where(h_overflow <= 0, shrunk, s)
+        s_overflow = tf.where(tf.equal(h_overflow, 0), shrunk, s)
 
         skipped = tf.convert_to_tensor(self.num_skipped_steps_variable)
         since = tf.convert_to_tensor(self.steps_since_overflow_variable)

@@ -1,22 +1,16 @@
 """`LossScaleOptimizer`: dynamic loss scaling around any Keras 3 optimizer."""
 
-import threading
+import dataclasses
+import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
-from keras.src.utils import tracking
 
-from tfdls import _distribute
-from tfdls import _folded_unscale
-from tfdls import _masked_update
+from tfdls import _compat, _distribute, _masked_update, _plan, finite, overflow
 from tfdls import loss_scale as loss_scale_lib
-from tfdls import overflow
-from tfdls.finite import gradient_values
 
 _KERAS_STYLE_KEYWORDS = ("initial_scale", "dynamic_growth_steps", "dynamic")
-# Float types with less range than float32 are unscaled in float32: the
-# reciprocal of a large scale is not representable in float16.
+# Float types with less range than float32 are divided in float32.
 _NARROW_FLOATS = (tf.float16, tf.bfloat16)
 
 
@@ -70,27 +64,14 @@ def _build_loss_scale(loss_scale, keras_style):
     return loss_scale_lib.FixedLossScale(initial_scale)
 
 
-def _in_xla_context():
-    """True while tracing inside an XLA-compiled function (no host calls there)."""
-    from tensorflow.python.ops import control_flow_util  # no public equivalent
-
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-
-
-def _op_determinism_enabled():
-    # Keras' jit_compile="auto" reads the same private flag.
-    from tensorflow.python.framework import config  # no public getter
-
-    return config.is_op_determinism_enabled()
-
-
-class _UnscaledMarks(threading.local):
-    """Per-thread flag: the next `apply` receives already-unscaled gradients.
-
-    Thread-local because MirroredStrategy runs each replica in its own thread.
-    """
-
-    pending = False
+def _divide(grad, scale):
+    """`grad / scale`: exact at every scale (a reciprocal above 2**126 is subnormal)."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(_divide(grad.values, scale), grad.indices, grad.dense_shape)
+    grad = tf.convert_to_tensor(grad)
+    if grad.dtype in _NARROW_FLOATS:
+        return tf.cast(tf.cast(grad, tf.float32) / scale, grad.dtype)
+    return grad / tf.cast(scale, grad.dtype)
 
 
 @keras.saving.register_keras_serializable(package="tfdls")
@@ -98,10 +79,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """Wraps a Keras 3 optimizer with (dynamic) loss scaling.
 
     The loss is multiplied by the current scale before differentiation; the
-    gradients are multiplied by its reciprocal before the inner optimizer sees
-    them. A step whose gradients hold any NaN/Inf applies nothing (weights,
-    optimizer slots and `iterations` stay exactly as they were) and the loss
-    scale shrinks.
+    gradients are divided by it before the inner optimizer sees them. A step
+    whose gradients hold any NaN/Inf applies nothing (weights, optimizer slots
+    and `iterations` stay exactly as they were) and the loss scale shrinks.
 
     Args:
         inner_optimizer: the `keras.optimizers.Optimizer` to wrap.
@@ -117,43 +97,50 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         min_scale_policy: what to do when a step overflows although the
             dynamic scale is already at `min_loss_scale`: ``"warn"`` (once,
             with the step and variable names), ``"raise"``
-            (`tfdls.LossScaleStuckError`) or ``"ignore"``. Inside an XLA
-            (``jit_compile``) step the host cannot be called, so there the
-            policy is applied by `check_min_scale_policy()`, which
-            `tfdls.LossScaleMonitor` calls at its logging frequency.
+            (`tfdls.LossScaleStuckError`) or ``"ignore"``. The step records
+            such overflows on the device without waiting for the host; the
+            policy acts when the host reads the record: in
+            `check_min_scale_policy()` and `last_overflow()`, in
+            `tfdls.LossScaleMonitor` at its logging frequency, and at the end
+            of `fit`. The same in eager, graph and XLA execution.
         jit_compile: whether `apply`, called inside a `tf.function` that is
             not itself XLA-compiled, runs as its own XLA cluster, so that the
             finiteness check, the unscaling and the inner update fuse (Adam's
             step then takes about half the time of Keras' graph-mode step).
-            ``"auto"`` (the default) does so for a dynamic scale, without a
-            `tf.distribute` strategy or op determinism, when the inner
-            optimizer is a built-in Keras optimizer without weight decay,
-            EMA, gradient accumulation, constraints or sparse gradients;
-            ``True`` always, ``False`` never. Eager `apply`, steps that are
-            already XLA-compiled and multi-replica strategies are unaffected.
-            XLA may round the inner update differently in the last bit;
-            skipped steps stay exact.
+            ``"auto"`` (the default) does so for a dynamic scale without a
+            multi-replica strategy or op determinism when the inner update
+            can be skipped without a branch (see `step_plan`); ``True``
+            always (a `ValueError` under a multi-replica strategy, where it
+            cannot), ``False`` never. Eager calls and steps that are already
+            XLA-compiled are unaffected. XLA may round the inner update
+            differently in the last bit; skipped steps stay exact.
 
-    With a Keras `SGD` as inner optimizer the gradients are not unscaled in a
-    separate pass: SGD receives them scaled, with ``learning_rate / scale``
-    (the same bits; see `tfdls._folded_unscale`).
+    How a step runs is decided once per trace and kept in `step_plan` (a
+    `StepPlan`): inside a `tf.function` a step with one of Keras' own inner
+    optimizer classes and dense gradients has no branch and no host call (its
+    inner update is audited at trace time, see `tfdls._masked_update`);
+    otherwise a `tf.cond` skips the update.
 
     A fixed loss scale never skips a step (as in TensorFlow 2.4).
 
     Example, Keras 3 style (what `fit` does):
 
-    >>> opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam())
+    >>> opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.5))
+    >>> w = keras.Variable([1.0, 2.0], name="w")
     >>> with tf.GradientTape() as tape:
-    ...     loss = opt.scale_loss(compute_loss())
-    >>> opt.apply(tape.gradient(loss, model.trainable_variables),
-    ...           model.trainable_variables)   # unscales, checks, applies
+    ...     loss = opt.scale_loss(tf.reduce_sum(w))
+    >>> opt.apply(tape.gradient(loss, [w]), [w])  # divides by the scale, checks, applies
+    >>> w.numpy()
+    array([0.5, 1.5], dtype=float32)
 
     Example, tf_keras / TF 2.4 style:
 
     >>> with tf.GradientTape() as tape:
-    ...     scaled_loss = opt.get_scaled_loss(compute_loss())
-    >>> grads = opt.get_unscaled_gradients(tape.gradient(scaled_loss, variables))
-    >>> opt.apply_gradients(zip(grads, variables))  # not unscaled a second time
+    ...     scaled_loss = opt.get_scaled_loss(tf.reduce_sum(w))
+    >>> grads = opt.get_unscaled_gradients(tape.gradient(scaled_loss, [w]))
+    >>> _ = opt.apply_gradients(zip(grads, [w]))  # not divided a second time
+    >>> w.numpy()
+    array([0. , 0.99999994], dtype=float32)
     """
 
     def __init__(
@@ -190,15 +177,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Skip keras.optimizers.LossScaleOptimizer.__init__: it would build a
         # second, Keras-owned scale. Our state lives in `self.loss_scale`.
         keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
+        _compat.check_optimizer_instance(self)
         self.inner_optimizer = inner_optimizer
         self.loss_scale = resolved
         self.overflow_attribution = overflow_attribution
         self._min_scale_policy = policy
         self.jit_compile = jit_compile
-        self._unscaled_marks = _UnscaledMarks()
-        self._stuck_overflows_seen = 0
+        self._unscaled_marks = _plan.UnscaledMarks()
+        self._overflow = None  # an overflow.OverflowRecord, made by build()
+        self._fallback_warned = False
+        self.step_plan = None
 
-    # -- pass-throughs --------------------------------------------------------
+    # -- the loss scale, as Keras 3 and tf_keras name it ---------------------------
 
     @property
     def dynamic(self):
@@ -208,38 +198,54 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def initial_scale(self):
         if self.dynamic:
             return self.loss_scale.initial_loss_scale
-        return self.loss_scale.loss_scale_value
+        if isinstance(self.loss_scale, loss_scale_lib.FixedLossScale):
+            return self.loss_scale.loss_scale_value
+        return None
 
     @property
     def dynamic_growth_steps(self):
         return self.loss_scale.increment_period if self.dynamic else None
 
     @property
+    def dynamic_scale(self):
+        """The current scale, as Keras 3's `LossScaleOptimizer.dynamic_scale`.
+
+        The `DynamicLossScale`'s variable, or a float32 tensor for other scales.
+        """
+        if self.dynamic:
+            return self.loss_scale.current_loss_scale
+        return self.loss_scale()
+
+    @property
+    def step_counter(self):
+        """Finite steps since the scale last grew or shrank, as in Keras 3.
+
+        A dynamic scale's `num_good_steps` variable; 0 for a fixed scale.
+        """
+        if self.dynamic:
+            return self.loss_scale.num_good_steps
+        if isinstance(self.loss_scale, loss_scale_lib.FixedLossScale):
+            return tf.constant(0, tf.int64)
+        raise AttributeError(
+            f"step_counter: the custom loss scale {type(self.loss_scale).__name__} "
+            "keeps no step counter that tfdls knows of."
+        )
+
+    @property
     def variables(self):
         return self._variables + list(self.loss_scale.variables) + self.inner_optimizer.variables
 
-    @tracking.no_automatic_dependency_tracking
+    @_compat.no_automatic_dependency_tracking
     def build(self, var_list):
         self.inner_optimizer.build(var_list)
-        _folded_unscale.install(self.inner_optimizer)
         # The generic Optimizer.build; Keras' LossScaleOptimizer.build would
         # create its own scale variables.
         super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
-        # Diagnostics only (not checkpointed): which variables overflowed in
-        # the last skipped step, at which step, and how many overflows
-        # happened with the scale already at its minimum.
-        self._variable_names = [getattr(v, "path", None) or v.name for v in var_list]
-        # init_scope lifts them out of a tf.function (a first apply inside
-        # strategy.run); a lifted variable needs a host initial value.
-        with tf.init_scope(), tf.name_scope(self.name):
-            self._overflow_mask = loss_scale_lib.state_variable(
-                "overflow_mask", np.zeros([len(var_list)], np.bool_), tf.bool
-            )
-            self._last_overflow_step = loss_scale_lib.state_variable(
-                "last_overflow_step", -1, tf.int64
-            )
-            self._stuck_overflows = loss_scale_lib.state_variable(
-                "stuck_overflows", 0, tf.int64
+        with tf.name_scope(self.name):
+            self._overflow = overflow.OverflowRecord(
+                [getattr(v, "path", None) or v.name for v in var_list],
+                self.overflow_attribution,
+                self._min_scale_policy,
             )
 
     # -- scaling ----------------------------------------------------------------
@@ -257,34 +263,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def get_unscaled_gradients(self, grads):
         """Divides gradients by the scale (tf_keras style).
 
-        The next `apply`/`apply_gradients` in this thread then takes its
-        gradients as already unscaled, so they are not divided twice.
+        `apply`/`apply_gradients` does not divide these again, nor (inside a
+        `tf.function`) anything computed from them, such as clipped
+        gradients; other gradients, for example the scaled ones passed to this
+        method for logging, are divided as usual. See `tfdls._plan.UnscaledMarks`.
         """
-        unscaled = self._unscale(list(grads))
-        self._unscaled_marks.pending = True
+        grads = list(grads)
+        scale = self.loss_scale()
+        unscaled = [None if g is None else _divide(g, scale) for g in grads]
+        self._unscaled_marks.mark(grads, unscaled)
         return unscaled
-
-    def _unscale(self, grads):
-        # One reciprocal per step, then a multiply per gradient.
-        reciprocal = tf.math.reciprocal(self.loss_scale())
-        by_dtype = {}
-
-        def unscale(values):
-            if values.dtype in _NARROW_FLOATS:
-                return tf.cast(tf.cast(values, tf.float32) * reciprocal, values.dtype)
-            if values.dtype not in by_dtype:
-                by_dtype[values.dtype] = tf.cast(reciprocal, values.dtype)
-            return values * by_dtype[values.dtype]
-
-        result = []
-        for grad in grads:
-            if grad is None:
-                result.append(None)
-            elif isinstance(grad, tf.IndexedSlices):
-                result.append(tf.IndexedSlices(unscale(grad.values), grad.indices, grad.dense_shape))
-            else:
-                result.append(unscale(tf.convert_to_tensor(grad)))
-        return result
 
     # -- applying -----------------------------------------------------------------
 
@@ -294,8 +282,23 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self.iterations
 
     def apply(self, grads, trainable_variables=None):
-        """Unscales `grads` (unless already unscaled), updates the loss scale,
-        and applies them with the inner optimizer iff all are finite."""
+        """Divides `grads` by the scale (unless already divided), updates the
+        loss scale, and applies them with the inner optimizer iff all are finite."""
+        try:
+            grads, trainable_variables = self._arguments(grads, trainable_variables)
+            if not grads:
+                return
+            plan = self._plan(grads, trainable_variables)
+            self.step_plan = plan
+            if plan.compile:
+                self._compiled_step(plan, grads, trainable_variables)
+            else:
+                self._step(plan, grads, trainable_variables)
+        finally:
+            # An eager mark lasts until the next apply, also one that raised.
+            self._unscaled_marks.clear()
+
+    def _arguments(self, grads, trainable_variables):
         grads = list(grads)
         if trainable_variables is None:
             if not self.built:
@@ -310,126 +313,87 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"Got {len(grads)} gradients for {len(trainable_variables)} variables; "
                 "they must match one to one."
             )
-        if not grads:
-            return
-        if all(g is None for g in grads):
+        if grads and all(g is None for g in grads):
             raise ValueError(
                 f"No gradients provided for any variable: all {len(grads)} gradients are None."
             )
-        if not self.built:
+        if grads and not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
+        return grads, trainable_variables
 
-        arrived_unscaled = self._unscaled_marks.pending
-        self._unscaled_marks.pending = False
-        if self._compiles_apply(grads, trainable_variables):
-            present = [i for i, g in enumerate(grads) if g is not None]
-
-            def compiled_apply(present_grads):
-                full = [None] * len(grads)
-                for i, g in zip(present, present_grads):
-                    full[i] = g
-                return self._loss_scaled_apply(full, trainable_variables, arrived_unscaled)
-
-            # One XLA cluster: check, unscale and update fuse; the stuck-scale
-            # report calls the host, so it runs after it, outside.
-            stuck_report = tf.function(compiled_apply, jit_compile=True)(
-                [grads[i] for i in present]
-            )
-        else:
-            stuck_report = self._loss_scaled_apply(grads, trainable_variables, arrived_unscaled)
-        if stuck_report is not None and not _in_xla_context():
-            self._report_if_stuck(*stuck_report)
-
-    def _compiles_apply(self, grads, trainable_variables):
-        """Whether this apply runs as its own XLA cluster (see `jit_compile`)."""
-        if self.jit_compile is False or not tf.inside_function() or _in_xla_context():
-            return False
-        if _distribute._has_strategy():
-            return False  # replicas agree through merge calls, which XLA cannot hold
-        if self.jit_compile is True:
-            return True
-        # "auto": where it is known to compile and to be faster.
-        return (
-            not tf.distribute.has_strategy()
-            and not _op_determinism_enabled()
-            and isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale)
-            and _masked_update.eligible(self.inner_optimizer, grads, trainable_variables)
-        )
-
-    def _loss_scaled_apply(self, grads, trainable_variables, arrived_unscaled):
-        """Checks, updates the scale, applies; returns the stuck-report arguments or None."""
-        checked = grads  # what the finiteness check reads
-        may_fall_below_one = self._scale_may_fall_below_one()
-        fold = (
-            not arrived_unscaled
-            and not may_fall_below_one
-            and _folded_unscale.eligible(self.inner_optimizer, grads, trainable_variables)
-        )
-        if fold:
-            # SGD takes the scaled gradients and learning_rate / scale: no
-            # unscaling pass (see _folded_unscale). Checking the scaled
-            # gradients decides the same, as below. The scale is read before
-            # the update below can grow it.
-            scale = self.loss_scale()
-        elif not arrived_unscaled:
-            unscaled = self._unscale(grads)
-            if may_fall_below_one:
-                # Multiplying by 1/scale > 1 can overflow: check the result.
-                checked = unscaled
-            # Otherwise 1/scale <= 1 cannot turn a finite gradient non-finite,
-            # so checking the scaled gradients decides the same; under XLA it
-            # also leaves the unscaling multiply a single reader, the update,
-            # into which it fuses instead of being materialized.
-            grads = unscaled
-
-        stuck_report = None
-        if isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale):
-            should_apply, stuck_report = self._update_dynamic_scale(checked, trainable_variables)
-        else:
-            _, should_apply = self.loss_scale.update(grads)
-        if fold:
-            inner_apply, args = self._apply_folded, (scale, grads, trainable_variables)
-        else:
-            inner_apply, args = self.inner_optimizer.apply, (grads, trainable_variables)
-        if should_apply is True:  # a fixed scale: no condition to evaluate
-            inner_apply(*args)
-        elif _in_xla_context() and _masked_update.eligible(
-            self.inner_optimizer, grads, trainable_variables
-        ):
-            with _masked_update.masked_writes(self.inner_optimizer, should_apply):
-                inner_apply(*args)
-        else:
-            _distribute.apply_if(should_apply, inner_apply, args)
-        return stuck_report
-
-    def _apply_folded(self, scale, scaled_grads, trainable_variables):
-        # Entered in the thread that runs the inner apply (a replica's thread
-        # under MirroredStrategy), where the update step reads it.
-        with _folded_unscale.learning_rate_divided_by(scale):
-            self.inner_optimizer.apply(scaled_grads, trainable_variables)
-
-    def _scale_may_fall_below_one(self):
+    def _plan(self, grads, trainable_variables):
         loss_scale = self.loss_scale
         if isinstance(loss_scale, loss_scale_lib.DynamicLossScale):
-            return loss_scale.min_loss_scale < 1
-        if isinstance(loss_scale, loss_scale_lib.FixedLossScale):
-            return loss_scale.loss_scale_value < 1
-        return True
+            min_scale = loss_scale.min_loss_scale
+        elif isinstance(loss_scale, loss_scale_lib.FixedLossScale):
+            min_scale = loss_scale.loss_scale_value
+        else:
+            min_scale = None
+        return _plan.plan_step(
+            grads,
+            trainable_variables,
+            self.inner_optimizer,
+            loss_scale,
+            self.jit_compile,
+            self._unscaled_marks.classify(grads),
+            fixed_scale=isinstance(loss_scale, loss_scale_lib.FixedLossScale),
+            dynamic_scale=isinstance(loss_scale, loss_scale_lib.DynamicLossScale),
+            min_scale=min_scale,
+        )
 
-    def _update_dynamic_scale(self, grads, trainable_variables):
-        """Checks `grads`, steps the scale, records attribution; returns the decision."""
-        self._check_variables_are_known(trainable_variables)
+    def _compiled_step(self, plan, grads, trainable_variables):
         present = [i for i, g in enumerate(grads) if g is not None]
+        inside = dataclasses.replace(plan, compile=False)
+
+        def compiled_step(present_grads):
+            full = [None] * len(grads)
+            for i, g in zip(present, present_grads):
+                full[i] = g
+            self._step(inside, full, trainable_variables)
+
+        # One XLA cluster: check, division and update fuse.
+        tf.function(compiled_step, jit_compile=True)([grads[i] for i in present])
+
+    def _step(self, plan, grads, trainable_variables):
+        """Executes `plan`: divide, check, update the scale, apply or skip."""
+        scale = self.loss_scale()  # the scale the gradients were multiplied by
+        unscaled = [_divide(g, scale) if d else g for g, d in zip(grads, plan.divide)]
+        checked = grads if plan.check == "scaled" else unscaled
+        should_apply = self._update_loss_scale(checked, unscaled, trainable_variables, scale)
+        if should_apply is True:
+            self.inner_optimizer.apply(unscaled, trainable_variables)
+            return
+        if plan.skip == "masked":
+            audit = _masked_update.apply(
+                self.inner_optimizer, unscaled, trainable_variables, should_apply
+            )
+            if audit.exact:
+                return
+            self._warn_fallback(audit.reason)
+        _distribute.apply_if(should_apply, self.inner_optimizer.apply, (unscaled, trainable_variables))
+
+    def _update_loss_scale(self, checked, unscaled, trainable_variables, scale):
+        """Decides whether this step applies (replica-agreed) and steps the scale."""
+        loss_scale = self.loss_scale
+        if isinstance(loss_scale, loss_scale_lib.FixedLossScale):
+            return True
+        if not isinstance(loss_scale, loss_scale_lib.DynamicLossScale):
+            _, should_apply = loss_scale.update(unscaled)
+            if should_apply is True:
+                return True
+            # A custom scale's decision, made the same on every replica.
+            vetoes = tf.cast(tf.logical_not(should_apply), tf.float32)
+            return tf.equal(_distribute.sum_over_replicas(vetoes), 0.0)
+        self._check_variables_are_known(trainable_variables)
+        present = [i for i, g in enumerate(checked) if g is not None]
         # Per gradient: how many replicas saw NaN/Inf (the same on all replicas).
-        counts = _distribute.agreed_nonfinite_counts(
-            gradient_values([grads[i] for i in present])
+        counts = finite.nonfinite_counts(
+            finite.gradient_values([checked[i] for i in present]), across_replicas=True
         )
         is_finite = tf.equal(tf.reduce_sum(counts), 0.0)
-        scale_before = self.loss_scale()
-        self.loss_scale.update_from_decision(is_finite)
-
+        loss_scale.update_from_decision(is_finite)
         positions = [self._get_variable_index(trainable_variables[i]) for i in present]
         num_variables = len(self._trainable_variables)
         if positions == list(range(num_variables)):
@@ -437,46 +401,65 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         else:
             indices = tf.constant(positions, tf.int32, shape=[len(positions), 1])
             mask = tf.scatter_nd(indices, counts, [num_variables]) > 0
-        step = tf.cast(self.iterations, tf.int64)
-        stuck = tf.logical_and(
-            tf.logical_not(is_finite), scale_before <= self.loss_scale.min_loss_scale
+        stuck = tf.logical_and(tf.logical_not(is_finite), scale <= loss_scale.min_loss_scale)
+        self._overflow.record(is_finite, mask, tf.cast(self.iterations, tf.int64), stuck)
+        return is_finite
+
+    def _warn_fallback(self, reason):
+        if self._fallback_warned:
+            return
+        self._fallback_warned = True
+        warnings.warn(
+            f"tfdls: the update of {type(self.inner_optimizer).__name__} could not be "
+            f"shown to skip exactly without a branch ({reason}); this step skips with a "
+            "tf.cond instead, which waits for the device on every step.",
+            RuntimeWarning,
+            stacklevel=4,
         )
-        if self.overflow_attribution:
-            self._overflow_mask.assign(tf.where(is_finite, self._overflow_mask, mask))
-            self._last_overflow_step.assign(tf.where(is_finite, self._last_overflow_step, step))
-        self._stuck_overflows.assign_add(tf.cast(stuck, tf.int64))
-        stuck_report = None
-        if self._min_scale_policy.policy != "ignore":
-            stuck_report = (stuck, step, mask)
-        return is_finite, stuck_report
 
-    def _report_if_stuck(self, stuck, step, mask):
-        """Applies `min_scale_policy` in-step, through the host, iff `stuck`."""
+    # -- Keras 3 LossScaleOptimizer methods, on tfdls' state ---------------------------
 
-        def report():
-            tf.py_function(
-                self._report_stuck,
-                [step, mask, tf.convert_to_tensor(self._stuck_overflows)],
-                [],
-            )
-            return tf.constant(True)
+    def check_finite(self, grads):
+        """Keras 3's name for `tfdls.all_finite(grads)` (this replica's gradients)."""
+        return finite.all_finite(grads)
 
-        tf.cond(stuck, report, lambda: tf.constant(False))
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise ValueError(
+            "stateless_apply is not supported by tfdls.LossScaleOptimizer (nor by "
+            "Keras' optimizers on the TensorFlow backend, where it conflicts with "
+            "tf.distribute); use apply()."
+        )
 
-    def _report_stuck(self, step, mask, stuck_overflows):
-        # The device count, not a host tally: every replica runs this report
-        # for the same overflow.
-        self._stuck_overflows_seen = max(self._stuck_overflows_seen, int(stuck_overflows))
-        names = overflow.names_from_mask(mask.numpy(), self._variable_names)
-        self._min_scale_policy(int(step), names, self.loss_scale.min_loss_scale)
+    def _common_apply(self, grads, trainable_variables=None):
+        self.apply(grads, trainable_variables)
 
-    # -- diagnostics ----------------------------------------------------------------
+    def _tf_apply(self, grads, trainable_variables=None):
+        self.apply(grads, trainable_variables)
+
+    def _not_used(self, *args, **kwargs):
+        raise NotImplementedError(
+            "tfdls.LossScaleOptimizer does not use Keras' LossScaleOptimizer step "
+            "helpers (its state is in `loss_scale`); call apply()."
+        )
+
+    _stateful_handle_finite_grads = _not_used
+    _stateful_handle_non_finite_grads = _not_used
+    _stateless_handle_finite_grads = _not_used
+    _stateless_handle_non_finite_grads = _not_used
+
+    def finalize_variable_values(self, var_list):
+        """Called by `fit` at the end of training: also applies `min_scale_policy`."""
+        self.inner_optimizer.finalize_variable_values(var_list)
+        self.check_min_scale_policy()
+
+    # -- diagnostics (host reads: call between steps) ------------------------------------
 
     def last_overflow(self):
         """Describes the last skipped step, or returns None if there was none.
 
         Reads a few device values (a host sync): call it between steps, not
-        inside one.
+        inside one. Applies `min_scale_policy` first (see
+        `check_min_scale_policy`).
 
         Returns:
             A `tfdls.OverflowReport` with the step, the names of the
@@ -486,39 +469,29 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         Example:
 
-        >>> model.fit(x, y)
-        >>> report = model.optimizer.last_overflow()
-        >>> if report: print(report)
-        step 12: non-finite gradients for dense/kernel; loss scale now 16384, ...
+        >>> opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD())
+        >>> w = keras.Variable([1.0], name="w")
+        >>> opt.apply([tf.constant([float("inf")])], [w])
+        >>> print(opt.last_overflow())
+        step 0: non-finite gradients for w; loss scale now 16384, 1 steps skipped in total
         """
-        if not self.built or not self.overflow_attribution:
+        if not self.built:
             return None
-        step = int(self._last_overflow_step.numpy())
-        if step < 0:
-            return None
-        return overflow.OverflowReport(
-            step=step,
-            variable_names=overflow.names_from_mask(
-                self._overflow_mask.numpy(), self._variable_names
-            ),
-            loss_scale=float(self.loss_scale().numpy()),
-            num_skipped_steps=int(self.loss_scale.num_skipped_steps.numpy()),
+        self.check_min_scale_policy()
+        skipped = getattr(self.loss_scale, "num_skipped_steps", None)
+        return self._overflow.last_overflow(
+            self.loss_scale().numpy(), 0 if skipped is None else skipped.numpy()
         )
 
     def check_min_scale_policy(self):
         """Applies `min_scale_policy` to overflows-at-minimum not yet reported.
 
-        Needed only where the step could not call the host (XLA); harmless
-        elsewhere. `tfdls.LossScaleMonitor` calls it at its logging frequency.
+        A host read of one counter. `tfdls.LossScaleMonitor` calls it at its
+        logging frequency, `fit` at the end of training; in a custom loop,
+        call it as often as you want to hear of a stuck scale.
         """
-        if not self.built or not isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale):
-            return
-        stuck = int(self._stuck_overflows.numpy())
-        if stuck > self._stuck_overflows_seen:
-            self._stuck_overflows_seen = stuck
-            names = overflow.names_from_mask(self._overflow_mask.numpy(), self._variable_names)
-            step = int(self._last_overflow_step.numpy())
-            self._min_scale_policy(step, names, self.loss_scale.min_loss_scale)
+        if self.built and isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale):
+            self._overflow.check_policy(self.loss_scale.min_loss_scale)
 
     # -- saving -------------------------------------------------------------------
 

@@ -1,21 +1,26 @@
 """Overflow attribution and the policy for a scale stuck at its minimum.
 
-After a skipped step, `LossScaleOptimizer.last_overflow()` names the
-variables whose gradients were non-finite. The mask behind it is written on
-the device in the same step (no host round trip); names are attached only
-when a user asks.
+Every step records on the device, without a branch or a host call: which
+variables had non-finite gradients in the last skipped step, at which step,
+and how many overflows happened with the scale already at its minimum
+(`OverflowRecord`). The host reads that record only when asked: by
+`LossScaleOptimizer.last_overflow()`, by `check_min_scale_policy()`, by
+`tfdls.LossScaleMonitor` at its logging frequency and at the end of `fit`.
 
 A scale that sits at `min_loss_scale` and still overflows cannot be rescued
 by loss scaling: it is the usual sign of a real divergence (a learning rate
 too high, a bad batch, a bug), not of float16's range. `MinScalePolicy`
-decides what happens then: ``"warn"`` (once, the default), ``"raise"`` or
-``"ignore"``.
+decides what happens when the host sees one: ``"warn"`` (once, the default),
+``"raise"`` (`LossScaleStuckError`) or ``"ignore"``.
 """
 
 import dataclasses
 import warnings
 
 import numpy as np
+import tensorflow as tf
+
+from tfdls._distribute import state_variable
 
 MIN_SCALE_POLICIES = ("warn", "raise", "ignore")
 
@@ -23,28 +28,27 @@ MIN_SCALE_POLICIES = ("warn", "raise", "ignore")
 class LossScaleStuckError(RuntimeError):
     """Training keeps overflowing although the loss scale is at its minimum.
 
-    Raised with ``min_scale_policy="raise"``. Inside a `tf.function` or `fit`
-    it reaches you wrapped in a TensorFlow error whose message starts with
-    ``LossScaleStuckError``:
+    Raised with ``min_scale_policy="raise"`` by the host-side checks
+    (`LossScaleOptimizer.check_min_scale_policy()`, `last_overflow()`,
+    `tfdls.LossScaleMonitor` and the end of `fit`), always as this exception
+    itself, in eager, graph and XLA alike:
 
-    >>> opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(), min_scale_policy="raise")
-    >>> model.compile(optimizer=opt, loss="mse")
-    >>> model.fit(x_with_nans, y)
-    UnknownError: ... LossScaleStuckError: tfdls: the loss scale is at its minimum ...
+    >>> opt = tfdls.LossScaleOptimizer(
+    ...     keras.optimizers.SGD(),
+    ...     tfdls.DynamicLossScale(initial_loss_scale=1.0),
+    ...     min_scale_policy="raise")
+    >>> w = keras.Variable([1.0], name="w")
+    >>> opt.apply([tf.constant([float("nan")])], [w])
+    >>> opt.check_min_scale_policy()
+    Traceback (most recent call last):
+      ...
+    tfdls.overflow.LossScaleStuckError: tfdls: the loss scale is at its minimum (1) and step 0 ...
     """
 
 
 @dataclasses.dataclass(frozen=True)
 class OverflowReport:
     """What the last skipped step looked like (see `LossScaleOptimizer.last_overflow`).
-
-    Example:
-
-    >>> report = opt.last_overflow()
-    >>> report.variable_names
-    ('sequential/dense_2/kernel',)
-    >>> print(report)
-    step 308: non-finite gradients for sequential/dense_2/kernel; loss scale now 262144, ...
 
     Attributes:
         step: the optimizer's `iterations` when the step was skipped (skipped
@@ -53,6 +57,14 @@ class OverflowReport:
             (on any replica).
         loss_scale: the scale after the step's update.
         num_skipped_steps: total skipped steps so far.
+
+    Example:
+
+    >>> report = tfdls.OverflowReport(
+    ...     step=308, variable_names=("sequential/dense_2/kernel",),
+    ...     loss_scale=262144.0, num_skipped_steps=3)
+    >>> print(report)
+    step 308: non-finite gradients for sequential/dense_2/kernel; loss scale now 262144, 3 steps skipped in total
     """
 
     step: int
@@ -104,9 +116,74 @@ class MinScalePolicy:
             raise LossScaleStuckError(message)
         if not self._warned:
             self._warned = True
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def names_from_mask(mask, variable_names):
     """The names whose entries in the boolean `mask` are set."""
     return tuple(name for name, hit in zip(variable_names, np.asarray(mask)) if hit)
+
+
+class OverflowRecord:
+    """The device-side record of overflows and its host-side readers.
+
+    Args:
+        variable_names: the paths of the variables the optimizer was built
+            with, in order.
+        attribution: whether to record which variables overflowed (the step
+            of the last overflow is always recorded).
+        policy: the `MinScalePolicy` applied by `check_policy`.
+
+    The variables are diagnostics, not training state: they are not
+    checkpointed (a restored run starts a new record).
+    """
+
+    def __init__(self, variable_names, attribution, policy):
+        self.variable_names = tuple(variable_names)
+        self.attribution = attribution
+        self.policy = policy
+        self.mask = state_variable(
+            "overflow_mask", np.zeros([len(self.variable_names)], np.bool_), tf.bool
+        )
+        self.last_step = state_variable("last_overflow_step", -1, tf.int64)
+        self.stuck_overflows = state_variable("stuck_overflows", 0, tf.int64)
+        self._stuck_overflows_seen = 0
+
+    def record(self, is_finite, nonfinite_mask, step, stuck):
+        """In-step, branch-free: records a skipped step's attribution and stuck count.
+
+        Args:
+            is_finite: the step's (replica-agreed) decision, a scalar bool.
+            nonfinite_mask: bool vector over `variable_names`: which gradients
+                were non-finite on any replica.
+            step: the step number (int64 scalar).
+            stuck: scalar bool: the step overflowed with the scale at its
+                minimum.
+        """
+        if self.attribution:
+            self.mask.assign(tf.where(is_finite, self.mask, nonfinite_mask))
+        self.last_step.assign(tf.where(is_finite, self.last_step, step))
+        self.stuck_overflows.assign_add(tf.cast(stuck, tf.int64))
+
+    def last_overflow(self, loss_scale, num_skipped_steps):
+        """Host read: an `OverflowReport`, or None (no overflow, or attribution off)."""
+        if not self.attribution:
+            return None
+        step = int(self.last_step.numpy())
+        if step < 0:
+            return None
+        return OverflowReport(
+            step=step,
+            variable_names=names_from_mask(self.mask.numpy(), self.variable_names),
+            loss_scale=float(loss_scale),
+            num_skipped_steps=int(num_skipped_steps),
+        )
+
+    def check_policy(self, min_loss_scale):
+        """Host read: applies the policy to stuck overflows not reported yet."""
+        stuck = int(self.stuck_overflows.numpy())
+        if stuck <= self._stuck_overflows_seen:
+            return
+        self._stuck_overflows_seen = stuck
+        names = names_from_mask(self.mask.numpy(), self.variable_names)
+        self.policy(int(self.last_step.numpy()), names, min_loss_scale)

@@ -1,0 +1,160 @@
+"""The TensorFlow and Keras versions tfdls needs, and every private name it uses.
+
+Everything tfdls reads from outside the public TensorFlow and Keras APIs is
+looked up here, once, when tfdls is imported. If a name is missing (an older
+or newer release moved it), `import tfdls` raises an `ImportError` that says
+which one, instead of a step silently taking another path later.
+
+`check_versions` runs before anything else imports TensorFlow-dependent code,
+so that a too-old installation gets a message naming the versions needed
+rather than an `AttributeError` from deep inside.
+"""
+
+MIN_TENSORFLOW = (2, 16)
+# 3.9: the first Keras whose LossScaleOptimizer passes `iterations` through to
+# the inner optimizer and whose optimizers keep their step counter in
+# `_iterations`, the behaviour tfdls is tested against (see CHANGELOG).
+MIN_KERAS = (3, 9)
+
+_INSTALL_HINT = (
+    'Install one TensorFlow build: pip install "tfdls[cpu]" (tensorflow-cpu) or '
+    'pip install "tfdls[gpu]" (tensorflow[and-cuda]); both bring a new enough Keras.'
+)
+
+
+def _version_tuple(version):
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def _need(found):
+    return ImportError(
+        "tfdls needs TensorFlow >= {}.{} and Keras >= {}.{}; found {}. ".format(
+            *MIN_TENSORFLOW, *MIN_KERAS, found
+        )
+        + _INSTALL_HINT
+    )
+
+
+def check_versions(tensorflow_version=None, keras_version=None):
+    """Raises ImportError unless TensorFlow >= 2.16 and Keras >= 3.9 are importable.
+
+    Args:
+        tensorflow_version, keras_version: version strings to check instead of
+            the installed modules (for tests).
+    """
+    if tensorflow_version is None:
+        try:
+            import tensorflow
+        except ImportError as error:
+            raise _need(f"no TensorFlow ({error})") from error
+        tensorflow_version = tensorflow.__version__
+    if _version_tuple(tensorflow_version) < MIN_TENSORFLOW:
+        raise _need(f"TensorFlow {tensorflow_version}")
+    if keras_version is None:
+        try:
+            import keras
+        except ImportError as error:
+            raise _need(f"no Keras ({error})") from error
+        keras_version = getattr(keras, "__version__", "0")
+    if _version_tuple(keras_version) < MIN_KERAS:
+        raise _need(f"Keras {keras_version}")
+
+
+def _missing(what, error=None):
+    detail = f" ({error})" if error else ""
+    return ImportError(
+        f"tfdls relies on {what}, which this TensorFlow/Keras installation does not "
+        f"have{detail}. tfdls is tested with TensorFlow >= {MIN_TENSORFLOW[0]}."
+        f"{MIN_TENSORFLOW[1]} and Keras >= {MIN_KERAS[0]}.{MIN_KERAS[1]}; please "
+        "report the versions you use at the tfdls issue tracker."
+    )
+
+
+def _lookup():
+    """Resolves every private name once; raises ImportError naming a missing one."""
+    import keras
+    import tensorflow as tf
+
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError as error:  # pragma: no cover - depends on the installation
+        raise _missing("tensorflow.python.ops.control_flow_util", error) from error
+    if not hasattr(control_flow_util, "GraphOrParentsInXlaContext"):  # pragma: no cover
+        raise _missing("control_flow_util.GraphOrParentsInXlaContext")
+    try:
+        from tensorflow.python.framework import config as tf_config
+    except ImportError as error:  # pragma: no cover
+        raise _missing("tensorflow.python.framework.config", error) from error
+    if not hasattr(tf_config, "is_op_determinism_enabled"):  # pragma: no cover
+        raise _missing("tensorflow.python.framework.config.is_op_determinism_enabled")
+    internal = getattr(getattr(tf, "__internal__", None), "distribute", None)
+    if not hasattr(internal, "strategy_supports_no_merge_call"):  # pragma: no cover
+        raise _missing("tf.__internal__.distribute.strategy_supports_no_merge_call")
+    try:
+        from keras.src.utils import tracking
+    except ImportError as error:  # pragma: no cover
+        raise _missing("keras.src.utils.tracking", error) from error
+    if not hasattr(tracking, "no_automatic_dependency_tracking"):  # pragma: no cover
+        raise _missing("keras.src.utils.tracking.no_automatic_dependency_tracking")
+    try:
+        from tensorflow.core.framework import summary_pb2
+    except ImportError as error:  # pragma: no cover
+        raise _missing("tensorflow.core.framework.summary_pb2", error) from error
+    for name in OPTIMIZER_METHODS:
+        if not callable(getattr(keras.optimizers.Optimizer, name, None)):  # pragma: no cover
+            raise _missing(f"keras.optimizers.Optimizer.{name}")
+    return control_flow_util, tf_config, internal, tracking, summary_pb2
+
+
+# Private members of keras.optimizers.Optimizer that tfdls' subclass uses,
+# as any Keras optimizer subclass would.
+OPTIMIZER_METHODS = (
+    "_get_variable_index",  # positions of variables (overflow attribution)
+    "_check_variables_are_known",  # Keras' own "unknown variable" error
+    "_overwrite_variable_with_gradient",  # variables whose gradient is a value
+)
+OPTIMIZER_ATTRIBUTES = ("_trainable_variables",)  # set in Optimizer.__init__
+
+
+def check_optimizer_instance(optimizer):
+    """Raises ImportError if a freshly initialized optimizer lacks an attribute tfdls reads."""
+    for name in OPTIMIZER_ATTRIBUTES:
+        if not hasattr(optimizer, name):  # pragma: no cover - depends on Keras
+            raise _missing(f"keras.optimizers.Optimizer().{name}")
+
+
+check_versions()
+(
+    _control_flow_util,
+    _tf_config,
+    _internal_distribute,
+    _tracking,
+    summary_pb2,
+) = _lookup()
+
+no_automatic_dependency_tracking = _tracking.no_automatic_dependency_tracking
+
+
+def in_xla_context():
+    """True while tracing inside an XLA-compiled function (no public equivalent)."""
+    import tensorflow as tf
+
+    return _control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def op_determinism_enabled():
+    """`tf.config.experimental.enable_op_determinism()` is on (no public getter)."""
+    return _tf_config.is_op_determinism_enabled()
+
+
+def strategy_supports_no_merge_call():
+    """The current strategy can run optimizer updates without `merge_call`."""
+    return _internal_distribute.strategy_supports_no_merge_call()

@@ -1,0 +1,168 @@
+"""tfdls.LossScaleOptimizer as a drop-in keras.optimizers.LossScaleOptimizer:
+the attributes and inherited methods Keras 3 code uses work on tfdls' state
+or raise a clear error; and a custom LossScale gets what its docstring says."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdls
+
+NAN = float("nan")
+
+
+def _built(loss_scale="dynamic"):
+    w = keras.Variable(np.zeros(2, "float32"), name="w")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.5), loss_scale)
+    opt.build([w])
+    return w, opt
+
+
+def test_dynamic_scale_and_step_counter_follow_the_dynamic_loss_scale():
+    w, opt = _built(tfdls.DynamicLossScale(8.0, increment_period=2))
+    assert isinstance(opt, keras.optimizers.LossScaleOptimizer)
+    # What Keras 3 code logs:
+    assert float(opt.dynamic_scale) == 8.0 and int(opt.step_counter) == 0
+    opt.apply([tf.ones(2) * 8.0], [w])
+    assert float(opt.dynamic_scale) == 8.0 and int(opt.step_counter) == 1
+    opt.apply([tf.ones(2) * 8.0], [w])
+    assert float(opt.dynamic_scale) == 16.0 and int(opt.step_counter) == 0
+    opt.apply([tf.fill([2], NAN)], [w])
+    assert float(opt.dynamic_scale) == 8.0 and int(opt.step_counter) == 0
+    assert opt.dynamic_scale is opt.loss_scale.current_loss_scale
+    assert opt.initial_scale == 8.0 and opt.dynamic_growth_steps == 2
+
+
+def test_fixed_scale_attributes():
+    _, opt = _built(128.0)
+    assert float(opt.dynamic_scale) == 128.0
+    assert int(opt.step_counter) == 0
+    assert opt.initial_scale == 128.0 and opt.dynamic_growth_steps is None
+
+
+def test_keras_learning_rate_and_iterations_pass_through():
+    w, opt = _built()
+    assert float(opt.learning_rate) == 0.5
+    opt.learning_rate = 0.25
+    assert float(opt.inner_optimizer.learning_rate) == 0.25
+    opt.apply([tf.ones(2) * opt.loss_scale()], [w])
+    assert int(opt.iterations) == 1 and opt.iterations is opt.inner_optimizer.iterations
+
+
+def test_check_finite_is_all_finite():
+    _, opt = _built()
+    assert bool(opt.check_finite([tf.ones(2), None])) is True
+    assert bool(opt.check_finite([tf.constant([1.0, NAN])])) is False
+    assert bool(opt.check_finite([tf.constant([3e38, 3e38])])) is True
+
+
+@pytest.mark.parametrize("method", ["_common_apply", "_tf_apply"])
+def test_keras_internal_apply_entry_points_run_tfdls_apply(method):
+    w, opt = _built(tfdls.DynamicLossScale(4.0))
+    getattr(opt, method)([tf.ones(2) * 4.0], [w])
+    np.testing.assert_array_equal(w.numpy(), [-0.5, -0.5])
+    getattr(opt, method)([tf.fill([2], NAN)], [w])
+    np.testing.assert_array_equal(w.numpy(), [-0.5, -0.5])
+    assert float(opt.loss_scale()) == 2.0
+
+
+def test_stateless_apply_is_a_clear_error():
+    w, opt = _built()
+    with pytest.raises(ValueError, match="stateless_apply is not supported.*use apply"):
+        opt.stateless_apply(opt.variables, [tf.ones(2)], [w])
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        "_stateful_handle_finite_grads",
+        "_stateful_handle_non_finite_grads",
+        "_stateless_handle_finite_grads",
+        "_stateless_handle_non_finite_grads",
+    ],
+)
+def test_keras_step_helpers_that_would_use_keras_state_raise(method):
+    _, opt = _built()
+    with pytest.raises(NotImplementedError, match="call apply"):
+        getattr(opt, method)([tf.ones(2)], None)
+
+
+# -- a custom LossScale ---------------------------------------------------------------
+
+
+class RecordingLossScale(tfdls.LossScale):
+    """A fixed-value scale that records the gradients update() receives."""
+
+    def __init__(self, value=64.0, agree=True):
+        super().__init__()
+        self.value = value
+        self.agree = agree
+        self.received = []
+
+    def __call__(self):
+        return tf.constant(self.value)
+
+    def update(self, grads):
+        self.received.append(grads)
+        ok = tfdls.all_finite(grads, across_replicas=self.agree)
+        return tf.no_op(), ok
+
+    def get_config(self):
+        return {"value": self.value}
+
+
+def test_custom_loss_scale_update_receives_unscaled_gradients():
+    w = keras.Variable(np.zeros(2, "float32"), name="w")
+    ls = RecordingLossScale(64.0)
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0), ls)
+    opt.apply([tf.constant([64.0, -128.0])], [w])
+    (grads,) = ls.received
+    np.testing.assert_array_equal(grads[0].numpy(), [1.0, -2.0])
+    np.testing.assert_array_equal(w.numpy(), [-1.0, 2.0])
+    opt.apply([tf.constant([NAN, 1.0])], [w])  # the scale's decision skips
+    np.testing.assert_array_equal(w.numpy(), [-1.0, 2.0])
+
+
+def test_the_docstring_example_of_a_custom_scale_halves_on_overflow():
+    class HalvingLossScale(tfdls.LossScale):
+        def __init__(self, value=2.0**15):
+            super().__init__()
+            self.value = tf.Variable(value, trainable=False)
+
+        def __call__(self):
+            return tf.convert_to_tensor(self.value)
+
+        def update(self, grads):
+            ok = tfdls.all_finite(grads, across_replicas=True)
+            op = self.value.assign(tf.where(ok, self.value, self.value / 2))
+            return op, ok
+
+        def get_config(self):
+            return {"value": float(self.value.numpy())}
+
+    w = keras.Variable(np.zeros(2, "float32"), name="w")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0), HalvingLossScale(8.0))
+    step = tf.function(lambda g: opt.apply([g], [w]))
+    step(tf.constant([8.0, 8.0]))
+    step(tf.constant([NAN, 8.0]))
+    np.testing.assert_array_equal(w.numpy(), [-1.0, -1.0])
+    assert float(opt.loss_scale()) == 4.0
+
+
+@pytest.mark.parametrize("agree", [True, False], ids=["agreeing", "local"])
+def test_custom_scale_decisions_are_the_same_on_every_replica(mirrored_strategy, agree):
+    """A custom scale that checks only its own replica still skips everywhere."""
+    with mirrored_strategy.scope():
+        w = keras.Variable(np.zeros(2, "float32"), name="w")
+        opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0), RecordingLossScale(2.0, agree))
+        opt.build([w])
+
+    def replica_step():
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        grad = tf.where(tf.equal(replica, 1), tf.constant([NAN, 2.0]), tf.constant([2.0, 2.0]))
+        opt.apply([grad], [w])
+
+    tf.function(lambda: mirrored_strategy.run(replica_step))()
+    for copy in mirrored_strategy.experimental_local_results(w.value):
+        np.testing.assert_array_equal(copy.numpy(), [0.0, 0.0])

@@ -1,0 +1,147 @@
+"""A training step that never waits for the host, counted structurally.
+
+On an accelerator every data-dependent branch costs a device-to-host copy
+that the host waits for: XLA's conditionals read their predicate on the
+host, and a graph-mode `If` or `py_function` holds the step until its input
+arrives. Counted here from the compiled HLO (``conditional(`` ops) and from
+the graph-mode function's GraphDef including its function library, for
+`opt.apply(grads, variables)` on four variables:
+
+| step                         | bare | Keras 3 LSO | tfdls default | tfdls ignore |
+|------------------------------|------|-------------|---------------|--------------|
+| XLA: conditionals            | 0    | >= 1        | 0             | 0            |
+| graph: If ops / py_functions | 0/0  | >= 1 / 0    | 0 / 0         | 0 / 0        |
+
+Under MirroredStrategy on two logical CPUs the minimum is one `If`: the
+strategy synchronizes replicas through `merge_call`, the skip is then a
+`tf.cond` taken in cross-replica context (see `tfdls._distribute`).
+"""
+
+import inspect
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdls
+
+BRANCH_OPS = {"If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile"}
+HOST_OPS = {"EagerPyFunc", "PyFunc", "PyFuncStateless"}
+SHAPES = [(8, 4), (4,), (4, 2), (2,)]
+
+EXPORTED = sorted(
+    name
+    for name, obj in vars(keras.optimizers).items()
+    if inspect.isclass(obj)
+    and issubclass(obj, keras.optimizers.Optimizer)
+    and obj not in (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer)
+)
+
+
+def _make_inner(name):
+    if name == "MultiOptimizer":
+        optimizer_map = keras.optimizers.OptimizerMap(keras.optimizers.Adam())
+        optimizer_map["v1"] = keras.optimizers.SGD(0.1)
+        return keras.optimizers.MultiOptimizer(optimizer_map)
+    return getattr(keras.optimizers, name)()
+
+
+def _variables():
+    return [keras.Variable(np.ones(s, "float32"), name=f"v{i}") for i, s in enumerate(SHAPES)]
+
+
+def _grads():
+    return [tf.ones(s) for s in SHAPES]
+
+
+def _optimizer(kind, inner_name, variables):
+    inner = _make_inner(inner_name)
+    if kind == "bare":
+        opt = inner
+    elif kind == "keras3":
+        opt = keras.optimizers.LossScaleOptimizer(inner)
+    elif kind == "tfdls":
+        opt = tfdls.LossScaleOptimizer(inner)
+    elif kind == "tfdls_ignore":
+        opt = tfdls.LossScaleOptimizer(inner, min_scale_policy="ignore")
+    elif kind == "tfdls_nojit":
+        opt = tfdls.LossScaleOptimizer(inner, jit_compile=False)
+    opt.build(variables)
+    return opt
+
+
+def xla_conditionals(fn, *args):
+    """Number of ``conditional`` ops in the HLO of ``fn`` compiled with XLA."""
+    hlo = tf.function(fn, jit_compile=True).experimental_get_compiler_ir(*args)(stage="hlo")
+    return hlo.count(" conditional(")
+
+
+def graph_ops(fn, *args):
+    """Op types of ``fn``'s graph-mode function, its function library included."""
+    graph_def = tf.function(fn).get_concrete_function(*args).graph.as_graph_def()
+    types = [node.op for node in graph_def.node]
+    for function in graph_def.library.function:
+        types += [node.op for node in function.node_def]
+    return types
+
+
+def _counts(types):
+    return (
+        sum(t in BRANCH_OPS for t in types),
+        sum(t in HOST_OPS for t in types),
+    )
+
+
+@pytest.mark.parametrize("kind", ["bare", "keras3", "tfdls", "tfdls_ignore"])
+@pytest.mark.parametrize("inner_name", ["SGD", "Adam"])
+def test_the_table(kind, inner_name):
+    variables = _variables()
+    opt = _optimizer(kind, inner_name, variables)
+    step = lambda grads: opt.apply(grads, variables)  # noqa: E731
+    conditionals = xla_conditionals(step, _grads())
+    branches, host_calls = _counts(graph_ops(step, _grads()))
+    if kind == "keras3":  # the reference: Keras 3 branches on every step
+        assert conditionals >= 1 and branches >= 1 and host_calls == 0
+    else:
+        assert (conditionals, branches, host_calls) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("inner_name", EXPORTED)
+@pytest.mark.parametrize("kind", ["tfdls", "tfdls_nojit"])
+def test_no_branch_or_host_call_for_every_exported_class(kind, inner_name):
+    variables = _variables()
+    opt = _optimizer(kind, inner_name, variables)
+    step = lambda grads: opt.apply(grads, variables)  # noqa: E731
+    assert _counts(graph_ops(step, _grads())) == (0, 0), opt.step_plan
+    assert opt.step_plan.skip == "masked"
+
+
+@pytest.mark.parametrize("inner_name", ["SGD", "Adam", "MultiOptimizer", "AdamW"])
+def test_no_conditional_in_the_compiled_step_for_more_classes(inner_name):
+    variables = _variables()
+    opt = _optimizer("tfdls", inner_name, variables)
+    assert xla_conditionals(lambda grads: opt.apply(grads, variables), _grads()) == 0
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_fit_plans_a_branch_free_step(jit_compile):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam())
+    model.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
+    model.fit(np.ones((8, 4), "float32"), np.ones((8, 1), "float32"), epochs=1, verbose=0)
+    assert opt.step_plan.skip == "masked"
+    assert opt.step_plan.compile is (not jit_compile)  # fit's XLA step is one cluster already
+
+
+def test_mirrored_strategy_minimum_is_one_cross_replica_cond(mirrored_strategy):
+    with mirrored_strategy.scope():
+        variables = _variables()
+        opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam())
+        opt.build(variables)
+
+    def train_step(grads):
+        mirrored_strategy.run(lambda g: opt.apply(g, variables), args=(grads,))
+
+    assert _counts(graph_ops(train_step, _grads())) == (1, 0)
+    assert opt.step_plan.skip == "cond" and "merge_call" in opt.step_plan.reason
