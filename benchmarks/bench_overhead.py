@@ -152,6 +152,11 @@ def tfdls_noattr(workload, variables):
     return tfdls_step(workload, variables, overflow_attribution=False)
 
 
+@variant("tfdls_stats", "tfdls, gradient stats")
+def tfdls_stats(workload, variables):
+    return tfdls_step(workload, variables, gradient_stats=True)
+
+
 @variant("check_only", "check alone", variables="none")
 def check_only(workload, variables):
     # Returns the answer: `harness.sync` requires it to be True.

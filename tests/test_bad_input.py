@@ -49,97 +49,159 @@ def _monitor_plain_optimizer():
     model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0, callbacks=[tfdls.LossScaleMonitor()])
 
 
+def _ambiguous_eager_gradients():
+    opt, w = _built_optimizer()
+    opt.get_unscaled_gradients([tf.ones(2)])
+    opt.apply([tf.ones(2) * 2.0], [w])
+
+
+def _stats_not_enabled():
+    opt, _ = _built_optimizer()
+    opt.gradient_stats()
+
+
 DLS = tfdls.DynamicLossScale
 LSO = tfdls.LossScaleOptimizer
 SGD = keras.optimizers.SGD
 
-# README row (first cell, verbatim) -> (call, exception type, message pattern)
+# README row (first cell, verbatim) -> [(call, exception type, message pattern), ...]
 CASES = {
-    "`DynamicLossScale(initial_loss_scale=0)`": (
-        lambda: DLS(initial_loss_scale=0), ValueError, r"initial_loss_scale=0"),
-    "`DynamicLossScale(initial_loss_scale=nan)` / `inf`": (
-        lambda: DLS(initial_loss_scale=float("nan")), ValueError, r"initial_loss_scale=nan"),
-    "`DynamicLossScale(initial_loss_scale=\"big\")`": (
-        lambda: DLS(initial_loss_scale="big"), TypeError, r"initial_loss_scale='big'"),
-    "a scale above float32 max or below the smallest normal float32": (
-        lambda: DLS(initial_loss_scale=1e39), ValueError, r"initial_loss_scale=1e\+39"),
-    "`DynamicLossScale(increment_period=0)`": (
-        lambda: DLS(increment_period=0), ValueError, r"increment_period=0"),
-    "`DynamicLossScale(increment_period=2.5)`": (
-        lambda: DLS(increment_period=2.5), TypeError, r"increment_period=2\.5"),
-    "`DynamicLossScale(multiplier=1.0)`": (
-        lambda: DLS(multiplier=1.0), ValueError, r"multiplier=1\.0"),
-    "`DynamicLossScale(backoff_factor=1.5)`": (
-        lambda: DLS(backoff_factor=1.5), ValueError, r"backoff_factor=1\.5"),
-    "`DynamicLossScale(hysteresis=0)`": (
-        lambda: DLS(hysteresis=0), ValueError, r"hysteresis=0"),
-    "`DynamicLossScale(min_loss_scale=0)`": (
-        lambda: DLS(min_loss_scale=0), ValueError, r"min_loss_scale=0"),
-    "`initial_loss_scale` below `min_loss_scale`": (
-        lambda: DLS(initial_loss_scale=1.0, min_loss_scale=2.0), ValueError,
-        r"initial_loss_scale.*min_loss_scale=2\.0.*initial_loss_scale=1\.0"),
-    "`initial_loss_scale` above `max_loss_scale`": (
-        lambda: DLS(initial_loss_scale=8.0, max_loss_scale=4.0), ValueError,
-        r"max_loss_scale=4\.0.*initial_loss_scale=8\.0"),
-    "`max_loss_scale` below `min_loss_scale`": (
-        lambda: DLS(initial_loss_scale=4.0, min_loss_scale=4.0, max_loss_scale=2.0),
-        ValueError, r"max_loss_scale=2\.0"),
-    "`FixedLossScale(-1)`": (
-        lambda: tfdls.FixedLossScale(-1), ValueError, r"loss_scale_value=-1"),
-    "`tfdls.get(\"static\")`": (
-        lambda: tfdls.get("static"), ValueError, r"identifier='static'"),
-    "`tfdls.get(None)`": (
-        lambda: tfdls.get(None), ValueError, r"identifier=None"),
-    "`tfdls.deserialize({\"class_name\": \"Nope\"})`": (
-        lambda: tfdls.deserialize({"class_name": "Nope"}), ValueError, r"class_name='Nope'"),
-    "`LossScaleOptimizer(\"adam\")`": (
-        lambda: LSO("adam"), TypeError, r"inner_optimizer='adam'.*keras\.optimizers\.get"),
-    "`LossScaleOptimizer(None)`": (
-        lambda: LSO(None), TypeError, r"inner_optimizer=None"),
-    "inner optimizer already a loss-scale optimizer": (
-        lambda: LSO(keras.optimizers.LossScaleOptimizer(SGD())), ValueError,
-        r"already a loss-scale optimizer"),
-    "inner optimizer with `loss_scale_factor` set": (
-        lambda: LSO(SGD(loss_scale_factor=2.0)), ValueError, r"loss_scale_factor=2\.0"),
-    "`loss_scale=` together with `initial_scale=` / `dynamic_growth_steps=` / `dynamic=`": (
-        lambda: LSO(SGD(), loss_scale="dynamic", initial_scale=8.0), ValueError,
-        r"not both.*loss_scale='dynamic'.*initial_scale=8\.0"),
-    "`dynamic=False` with `dynamic_growth_steps=`": (
-        lambda: LSO(SGD(), dynamic=False, dynamic_growth_steps=10), ValueError,
-        r"dynamic_growth_steps=10"),
-    "an unknown keyword, e.g. `clipnorm=` on the wrapper": (
-        lambda: LSO(SGD(), clipnorm=1.0), TypeError, r"clipnorm.*inner optimizer"),
-    "`min_scale_policy=\"explode\"`": (
-        lambda: LSO(SGD(), min_scale_policy="explode"), ValueError,
-        r"min_scale_policy='explode'"),
-    "`overflow_attribution=\"yes\"`": (
-        lambda: LSO(SGD(), overflow_attribution="yes"), TypeError,
-        r"overflow_attribution='yes'"),
-    "`jit_compile=\"yes\"`": (
-        lambda: LSO(SGD(), jit_compile="yes"), ValueError,
-        r"jit_compile='yes'"),
-    "a non-float gradient (e.g. int32)": (
-        _apply_int_gradient, TypeError, r"floating point.*int32"),
-    "gradient and variable lists of different lengths": (
-        _apply_mismatched, ValueError, r"2 gradients for 1 variables"),
-    "every gradient `None`": (
-        _apply_all_none, ValueError, r"No gradients provided for any variable"),
-    "`apply(grads)` without variables on an unbuilt optimizer": (
-        _apply_unbuilt_without_variables, ValueError, r"trainable_variables"),
-    "`apply` with a variable the optimizer was not built with": (
-        _apply_unknown_variable, ValueError, r"other"),
-    "`LossScaleMonitor(update_freq=0)`": (
-        lambda: tfdls.LossScaleMonitor(update_freq=0), ValueError, r"update_freq=0"),
-    "`LossScaleMonitor` on a model without a tfdls optimizer": (
-        _monitor_plain_optimizer, ValueError, r"tfdls\.LossScaleOptimizer"),
+    "`DynamicLossScale(initial_loss_scale=0)` / `-1`": [
+        (lambda: DLS(initial_loss_scale=0), ValueError, r"initial_loss_scale=0"),
+        (lambda: DLS(initial_loss_scale=-1), ValueError, r"initial_loss_scale=-1"),
+    ],
+    "`DynamicLossScale(initial_loss_scale=nan)` / `inf`": [
+        (lambda: DLS(initial_loss_scale=float("nan")), ValueError, r"initial_loss_scale=nan"),
+        (lambda: DLS(initial_loss_scale=float("inf")), ValueError, r"initial_loss_scale=inf"),
+    ],
+    "`DynamicLossScale(initial_loss_scale=\"big\")`": [
+        (lambda: DLS(initial_loss_scale="big"), TypeError, r"initial_loss_scale='big'"),
+    ],
+    "a scale above float32 max or below the smallest normal float32": [
+        (lambda: DLS(initial_loss_scale=1e39), ValueError, r"initial_loss_scale=1e\+39"),
+        (lambda: DLS(min_loss_scale=1e-39), ValueError, r"min_loss_scale=1e-39"),
+    ],
+    "`DynamicLossScale(increment_period=0)`": [
+        (lambda: DLS(increment_period=0), ValueError, r"increment_period=0"),
+    ],
+    "`DynamicLossScale(increment_period=2.5)` / `True`": [
+        (lambda: DLS(increment_period=2.5), TypeError, r"increment_period=2\.5"),
+        (lambda: DLS(increment_period=True), TypeError, r"increment_period=True"),
+    ],
+    "`DynamicLossScale(multiplier=1.0)` / `0.5`": [
+        (lambda: DLS(multiplier=1.0), ValueError, r"multiplier=1\.0"),
+        (lambda: DLS(multiplier=0.5), ValueError, r"multiplier=0\.5"),
+    ],
+    "`DynamicLossScale(backoff_factor=1.5)` / `0` / `1`": [
+        (lambda: DLS(backoff_factor=1.5), ValueError, r"backoff_factor=1\.5"),
+        (lambda: DLS(backoff_factor=0), ValueError, r"backoff_factor=0"),
+        (lambda: DLS(backoff_factor=1), ValueError, r"backoff_factor=1"),
+    ],
+    "`DynamicLossScale(hysteresis=0)`": [
+        (lambda: DLS(hysteresis=0), ValueError, r"hysteresis=0"),
+    ],
+    "`DynamicLossScale(min_loss_scale=0)`": [
+        (lambda: DLS(min_loss_scale=0), ValueError, r"min_loss_scale=0"),
+    ],
+    "`initial_loss_scale` below `min_loss_scale`": [
+        (lambda: DLS(initial_loss_scale=1.0, min_loss_scale=2.0), ValueError,
+         r"initial_loss_scale.*min_loss_scale=2\.0.*initial_loss_scale=1\.0"),
+    ],
+    "`initial_loss_scale` above `max_loss_scale`": [
+        (lambda: DLS(initial_loss_scale=8.0, max_loss_scale=4.0), ValueError,
+         r"max_loss_scale=4\.0.*initial_loss_scale=8\.0"),
+    ],
+    "`max_loss_scale` below `min_loss_scale`": [
+        (lambda: DLS(initial_loss_scale=4.0, min_loss_scale=4.0, max_loss_scale=2.0),
+         ValueError, r"max_loss_scale=2\.0"),
+    ],
+    "`FixedLossScale(-1)` / `0` / `inf`": [
+        (lambda: tfdls.FixedLossScale(-1), ValueError, r"loss_scale_value=-1"),
+        (lambda: tfdls.FixedLossScale(0), ValueError, r"loss_scale_value=0"),
+        (lambda: tfdls.FixedLossScale(float("inf")), ValueError, r"loss_scale_value=inf"),
+    ],
+    "`tfdls.get(\"static\")`": [
+        (lambda: tfdls.get("static"), ValueError, r"identifier='static'"),
+    ],
+    "`tfdls.get(None)`": [
+        (lambda: tfdls.get(None), ValueError, r"identifier=None"),
+    ],
+    "`tfdls.deserialize({\"class_name\": \"Nope\"})`": [
+        (lambda: tfdls.deserialize({"class_name": "Nope"}), ValueError, r"class_name='Nope'"),
+    ],
+    "`LossScaleOptimizer(\"adam\")`": [
+        (lambda: LSO("adam"), TypeError, r"inner_optimizer='adam'.*keras\.optimizers\.get"),
+    ],
+    "`LossScaleOptimizer(None)`": [
+        (lambda: LSO(None), TypeError, r"inner_optimizer=None"),
+    ],
+    "inner optimizer already a loss-scale optimizer": [
+        (lambda: LSO(keras.optimizers.LossScaleOptimizer(SGD())), ValueError,
+         r"already a loss-scale optimizer"),
+    ],
+    "inner optimizer with `loss_scale_factor` set": [
+        (lambda: LSO(SGD(loss_scale_factor=2.0)), ValueError, r"loss_scale_factor=2\.0"),
+    ],
+    "`loss_scale=` together with `initial_scale=` / `dynamic_growth_steps=` / `dynamic=`": [
+        (lambda: LSO(SGD(), loss_scale="dynamic", initial_scale=8.0), ValueError,
+         r"not both.*loss_scale='dynamic'.*initial_scale=8\.0"),
+    ],
+    "`dynamic=False` with `dynamic_growth_steps=`": [
+        (lambda: LSO(SGD(), dynamic=False, dynamic_growth_steps=10), ValueError,
+         r"dynamic_growth_steps=10"),
+    ],
+    "an unknown keyword, e.g. `clipnorm=` on the wrapper": [
+        (lambda: LSO(SGD(), clipnorm=1.0), TypeError, r"clipnorm.*inner optimizer"),
+    ],
+    "`min_scale_policy=\"explode\"`": [
+        (lambda: LSO(SGD(), min_scale_policy="explode"), ValueError,
+         r"min_scale_policy='explode'"),
+    ],
+    "`overflow_attribution=\"yes\"`": [
+        (lambda: LSO(SGD(), overflow_attribution="yes"), TypeError,
+         r"overflow_attribution='yes'"),
+    ],
+    "`jit_compile=\"yes\"`": [
+        (lambda: LSO(SGD(), jit_compile="yes"), ValueError, r"jit_compile='yes'"),
+    ],
+    "`gradient_stats=\"yes\"`": [
+        (lambda: LSO(SGD(), gradient_stats="yes"), TypeError, r"gradient_stats='yes'"),
+    ],
+    "`opt.gradient_stats()` without `gradient_stats=True`": [
+        (_stats_not_enabled, ValueError, r"gradient_stats=True.*gradient_stats=False"),
+    ],
+    "a non-float gradient (e.g. int32)": [
+        (_apply_int_gradient, TypeError, r"floating point.*int32"),
+    ],
+    "gradient and variable lists of different lengths": [
+        (_apply_mismatched, ValueError, r"2 gradients for 1 variables"),
+    ],
+    "every gradient `None`": [
+        (_apply_all_none, ValueError, r"No gradients provided for any variable"),
+    ],
+    "`apply(grads)` without variables on an unbuilt optimizer": [
+        (_apply_unbuilt_without_variables, ValueError, r"trainable_variables"),
+    ],
+    "`apply` with a variable the optimizer was not built with": [
+        (_apply_unknown_variable, ValueError, r"other"),
+    ],
+    "eager `apply` of a gradient neither returned by nor given to a pending `get_unscaled_gradients`": [
+        (_ambiguous_eager_gradients, ValueError, r"cannot tell whether to divide"),
+    ],
+    "`LossScaleMonitor(update_freq=0)`": [
+        (lambda: tfdls.LossScaleMonitor(update_freq=0), ValueError, r"update_freq=0"),
+    ],
+    "`LossScaleMonitor` on a model without a tfdls optimizer": [
+        (_monitor_plain_optimizer, ValueError, r"tfdls\.LossScaleOptimizer"),
+    ],
 }
 
 
 @pytest.mark.parametrize("row", sorted(CASES))
 def test_bad_input_raises_clear_error(row):
-    call, error, pattern = CASES[row]
-    with pytest.raises(error, match=pattern):
-        call()
+    for call, error, pattern in CASES[row]:
+        with pytest.raises(error, match=pattern):
+            call()
 
 
 def _readme_rows():

@@ -17,7 +17,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 SUBPROCESS_TIMEOUT = 150
 
-pytestmark = pytest.mark.timeout(SUBPROCESS_TIMEOUT + 30)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SUBPROCESS_TIMEOUT + 30)]
 
 
 def _run(args):
@@ -137,7 +137,36 @@ def check_checkpoint_resume(out, tmp_path):
     assert list(ckpt.parent.glob(ckpt.name + ".index"))
 
 
+def check_diagnose_scale(out, tmp_path):
+    runs = {}
+    for run in ("scale 1", "dynamic"):
+        accuracy, scale = _one(
+            rf"^{run}: test accuracy ([0-9.]+), final loss scale ([0-9.e+]+)$", out
+        )
+        assert float(accuracy) > 0.5
+        layers = re.findall(
+            rf"^  {run} (\S+): median headroom ([-0-9.inf]+) bits, "
+            r"median subnormal fraction ([0-9.]+)$",
+            out,
+            re.M,
+        )
+        assert len(layers) == 3, out
+        runs[run] = {name: (float(h), float(f)) for name, h, f in layers}
+    assert float(_one(r"^scale 1: test accuracy [0-9.]+, final loss scale ([0-9.e+]+)$", out)) == 1
+    for name, (low_headroom, low_subnormal) in runs["scale 1"].items():
+        headroom, subnormal = runs["dynamic"][name]
+        # A scale of 1 leaves ~20 bits unused at the top and pushes gradients
+        # into float16's subnormal range; the dynamic scale does neither.
+        assert low_headroom > headroom + 8, (name, low_headroom, headroom)
+        assert low_subnormal > subnormal, (name, low_subnormal, subnormal)
+        assert 0 < headroom < 16
+    png = tmp_path / "diagnose.png"
+    assert f"saved plot: {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 CASES = {
+    "diagnose_scale.py": (["--epochs", "2", "--plot", "{tmp}/diagnose.png"], check_diagnose_scale),
     "quickstart.py": (["--epochs", "2", "--plot", "{tmp}/scale.png"], check_quickstart),
     "custom_training_loop.py": (["--epochs", "2"], check_custom_training_loop),
     "distributed.py": (["--epochs", "3"], check_distributed),

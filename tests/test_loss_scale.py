@@ -9,7 +9,6 @@
 """
 
 import math
-import re
 
 import numpy as np
 import pytest
@@ -557,136 +556,8 @@ def test_get_config_from_config_round_trip():
     assert tfdls.FixedLossScale.from_config(fixed.get_config()).loss_scale_value == 3.0
 
 
-def test_get_unknown_string_names_value():
-    with pytest.raises(ValueError, match="'static'"):
-        tfdls.get("static")
-
-
-def test_deserialize_unknown_class_names_it():
-    with pytest.raises(ValueError, match="NoSuchLossScale"):
-        tfdls.deserialize({"class_name": "NoSuchLossScale", "config": {}})
-
-
-# --------------------------------------------------------------------------
-# 6. Bad input, one test per case: argument name AND value in the message.
-# --------------------------------------------------------------------------
-def _raises(exc, name, value):
-    return pytest.raises(exc, match=rf"{re.escape(name)}.*{value}|{value}.*{re.escape(name)}")
-
-
-def test_bad_initial_zero():
-    with _raises(ValueError, "initial_loss_scale", r"=0(\.0)?\b"):
-        tfdls.DynamicLossScale(0)
-
-
-def test_bad_initial_negative():
-    with _raises(ValueError, "initial_loss_scale", r"=-1(\.0)?\b"):
-        tfdls.DynamicLossScale(-1)
-
-
-def test_bad_initial_nan():
-    with _raises(ValueError, "initial_loss_scale", "=nan"):
-        tfdls.DynamicLossScale(float("nan"))
-
-
-def test_bad_initial_inf():
-    with _raises(ValueError, "initial_loss_scale", "=inf"):
-        tfdls.DynamicLossScale(float("inf"))
-
-
-def test_bad_initial_not_float32():
-    with _raises(ValueError, "initial_loss_scale", r"=1e\+39"):
-        tfdls.DynamicLossScale(1e39)
-
-
-def test_bad_initial_string():
-    with _raises(TypeError, "initial_loss_scale", "'big'"):
-        tfdls.DynamicLossScale("big")
-
-
-def test_bad_increment_period_zero():
-    with _raises(ValueError, "increment_period", r"=0\b"):
-        tfdls.DynamicLossScale(increment_period=0)
-
-
-def test_bad_increment_period_float():
-    with _raises(TypeError, "increment_period", r"=1\.5"):
-        tfdls.DynamicLossScale(increment_period=1.5)
-
-
-def test_bad_increment_period_bool():
-    with _raises(TypeError, "increment_period", "=True"):
-        tfdls.DynamicLossScale(increment_period=True)
-
-
-def test_bad_multiplier_one():
-    with _raises(ValueError, "multiplier", r"=1(\.0)?\b"):
-        tfdls.DynamicLossScale(multiplier=1.0)
-
-
-def test_bad_multiplier_half():
-    with _raises(ValueError, "multiplier", r"=0\.5"):
-        tfdls.DynamicLossScale(multiplier=0.5)
-
-
-def test_bad_backoff_zero():
-    with _raises(ValueError, "backoff_factor", r"=0(\.0)?\b"):
-        tfdls.DynamicLossScale(backoff_factor=0)
-
-
-def test_bad_backoff_one():
-    with _raises(ValueError, "backoff_factor", r"=1(\.0)?\b"):
-        tfdls.DynamicLossScale(backoff_factor=1)
-
-
-def test_bad_backoff_above_one():
-    with _raises(ValueError, "backoff_factor", r"=1\.5"):
-        tfdls.DynamicLossScale(backoff_factor=1.5)
-
-
-def test_bad_hysteresis_zero():
-    with _raises(ValueError, "hysteresis", r"=0\b"):
-        tfdls.DynamicLossScale(hysteresis=0)
-
-
-def test_bad_min_zero():
-    with _raises(ValueError, "min_loss_scale", r"=0(\.0)?\b"):
-        tfdls.DynamicLossScale(min_loss_scale=0)
-
-
-def test_bad_initial_below_min():
-    with _raises(ValueError, "initial_loss_scale", r"=0\.5"):
-        tfdls.DynamicLossScale(0.5, min_loss_scale=1.0)
-
-
-def test_bad_initial_above_max():
-    with _raises(ValueError, "initial_loss_scale", r"=1024"):
-        tfdls.DynamicLossScale(1024.0, max_loss_scale=512.0)
-
-
-def test_bad_max_below_min():
-    with _raises(ValueError, "max_loss_scale", r"=2(\.0)?\b"):
-        tfdls.DynamicLossScale(4.0, min_loss_scale=4.0, max_loss_scale=2.0)
-
-
-def test_bad_fixed_zero():
-    with _raises(ValueError, "loss_scale_value", r"=0(\.0)?\b"):
-        tfdls.FixedLossScale(0)
-
-
-def test_bad_fixed_inf():
-    with _raises(ValueError, "loss_scale_value", "=inf"):
-        tfdls.FixedLossScale(float("inf"))
-
-
-def test_bad_get_static():
-    with _raises(ValueError, "identifier", "'static'"):
-        tfdls.get("static")
-
-
-def test_bad_get_none():
-    with _raises(ValueError, "identifier", "None"):
-        tfdls.get(None)
+# Invalid arguments: one place for all of them, tests/test_bad_input.py (the
+# README table).
 
 
 # --------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from tfdls import _compat  # noqa: F401
 
 from tfdls.callbacks import LossScaleMonitor  # noqa: E402
 from tfdls.finite import all_finite  # noqa: E402
+from tfdls.gradient_stats import GradientStats  # noqa: E402
 from tfdls.loss_scale import (  # noqa: E402
     DynamicLossScale,
     FixedLossScale,
@@ -23,6 +24,7 @@ from tfdls._plan import StepPlan  # noqa: E402
 __all__ = [
     "DynamicLossScale",
     "FixedLossScale",
+    "GradientStats",
     "LossScale",
     "LossScaleMonitor",
     "LossScaleOptimizer",

@@ -1,5 +1,8 @@
 """`LossScaleMonitor`: the loss scale in `fit` logs, History and TensorBoard."""
 
+import dataclasses
+import math
+
 import keras
 import tensorflow as tf
 
@@ -34,6 +37,14 @@ class LossScaleMonitor(keras.callbacks.Callback):
     ``loss_scale/...``), once per point, at step = the number of training
     batches run in this `fit` call: the batch axis of Keras' `TensorBoard`
     callback (skipped steps count; the optimizer's `iterations` do not).
+
+    With an optimizer built with ``gradient_stats=True`` it also adds
+    ``min_headroom_bits`` (the smallest headroom below float16's maximum of
+    any variable's scaled gradient, in bits) and ``subnormal_fraction`` (the
+    largest fraction of subnormal elements of any variable), and with
+    `log_dir` writes every variable's figures as scalars (tags
+    ``gradient_stats/<variable>/headroom_bits``, ``.../zero_fraction``,
+    ``.../subnormal_fraction``).
 
     Device values are read only at the logging frequency: every `update_freq`
     batches, and at the end of each epoch. At the same points it applies the
@@ -79,7 +90,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._batches += 1
 
     def _read(self):
-        """One host read of the scale state (the only sync this callback makes)."""
+        """One host read of the scale state (the only sync this callback makes).
+
+        Returns:
+            (values for the logs, per-variable scalars for TensorBoard only)
+        """
         optimizer = self._optimizer
         optimizer.check_min_scale_policy()
         loss_scale = optimizer.loss_scale
@@ -87,19 +102,34 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if hasattr(loss_scale, "num_skipped_steps"):
             values["skipped_steps"] = int(loss_scale.num_skipped_steps.numpy())
             values["steps_since_overflow"] = int(loss_scale.steps_since_overflow.numpy())
-        return values
+        per_variable = {}
+        if optimizer.record_gradient_stats:
+            stats = optimizer.gradient_stats()
+            # The worst variable; NaN until a finite step was recorded.
+            values["min_headroom_bits"] = _ignoring_nan(
+                min, [s.headroom_bits for s in stats.values()]
+            )
+            values["subnormal_fraction"] = _ignoring_nan(
+                max, [s.subnormal_fraction for s in stats.values()]
+            )
+            for name, figures in stats.items():
+                for key, value in dataclasses.asdict(figures).items():
+                    per_variable[f"gradient_stats/{name}/{key}"] = value
+        return values, per_variable
 
     def _log(self, logs):
-        values = self._read()
+        values, per_variable = self._read()
         if logs is not None:
             logs.update(values)
         if self._writer is not None and self._last_written != self._batches:
             # An epoch that ends on a logged batch is written once.
             self._last_written = step = self._batches
+            scalars = {f"loss_scale/{key}": value for key, value in values.items()}
+            scalars.update(per_variable)
             with self._writer.as_default():
-                for key, value in values.items():
+                for tag, value in scalars.items():
                     tf.summary.write(
-                        f"loss_scale/{key}",
+                        tag,
                         tf.constant(value, tf.float32),
                         step=step,
                         metadata=_SCALAR_METADATA,
@@ -118,3 +148,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def _ignoring_nan(pick, values):
+    numbers = [v for v in values if not math.isnan(v)]
+    return pick(numbers) if numbers else math.nan

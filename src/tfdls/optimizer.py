@@ -7,6 +7,7 @@ import keras
 import tensorflow as tf
 
 from tfdls import _compat, _distribute, _masked_update, _plan, finite, overflow
+from tfdls import gradient_stats as stats_lib
 from tfdls import loss_scale as loss_scale_lib
 
 _KERAS_STYLE_KEYWORDS = ("initial_scale", "dynamic_growth_steps", "dynamic")
@@ -64,14 +65,51 @@ def _build_loss_scale(loss_scale, keras_style):
     return loss_scale_lib.FixedLossScale(initial_scale)
 
 
+def _reciprocal_factors(scale):
+    """Two normal floats whose product is ``1 / scale``, for any normal float32 scale.
+
+    ``1 / scale`` itself is subnormal above 2**126, and CPU kernels flush it
+    to zero. Splitting the scale's binary exponent ``e`` as ``2**-(e // 2)``
+    and the rest keeps both factors normal; for a power-of-two scale both are
+    powers of two, so multiplying by them is exact wherever ``g / scale`` is
+    a normal float, and underflows exactly where it does.
+    """
+    bits = tf.bitcast(tf.cast(scale, tf.float32), tf.int32)
+    exponent = tf.bitwise.right_shift(bits, 23) - 127
+    half = tf.bitcast(tf.bitwise.left_shift(127 - exponent // 2, 23), tf.float32)
+    return half, tf.math.reciprocal(scale * half)
+
+
 def _divide(grad, scale):
-    """`grad / scale`: exact at every scale (a reciprocal above 2**126 is subnormal)."""
+    """`grad / scale`, exactly at every scale.
+
+    Inside XLA as a multiplication by two normal factors (see
+    `_reciprocal_factors`): XLA treats a float division as expensive and
+    would not fuse it into several consumers (Adam's two moments), so the
+    divided gradient would be written and read once more. Elsewhere a plain
+    division, one kernel.
+    """
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(_divide(grad.values, scale), grad.indices, grad.dense_shape)
     grad = tf.convert_to_tensor(grad)
+    narrow = grad.dtype in _NARROW_FLOATS
+    wide = tf.cast(grad, tf.float32) if narrow else grad
+    if _compat.in_xla_context():
+        first, second = _reciprocal_factors(scale)
+        result = wide * tf.cast(first, wide.dtype) * tf.cast(second, wide.dtype)
+    else:
+        result = wide / tf.cast(scale, wide.dtype)
+    return tf.cast(result, grad.dtype) if narrow else result
+
+
+def _multiply(grad, scale):
+    """`grad * scale`, the inverse of `_divide`."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(_multiply(grad.values, scale), grad.indices, grad.dense_shape)
+    grad = tf.convert_to_tensor(grad)
     if grad.dtype in _NARROW_FLOATS:
-        return tf.cast(tf.cast(grad, tf.float32) / scale, grad.dtype)
-    return grad / tf.cast(scale, grad.dtype)
+        return tf.cast(tf.cast(grad, tf.float32) * scale, grad.dtype)
+    return grad * tf.cast(scale, grad.dtype)
 
 
 @keras.saving.register_keras_serializable(package="tfdls")
@@ -114,6 +152,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             cannot), ``False`` never. Eager calls and steps that are already
             XLA-compiled are unaffected. XLA may round the inner update
             differently in the last bit; skipped steps stay exact.
+        gradient_stats: record, on every finite step and per variable, where
+            the scaled gradients sit in float16's range: headroom below 65504
+            in bits, and the fractions of zero and of subnormal (below
+            2**-14) elements (see `gradient_stats()` and
+            `tfdls.gradient_stats`). Off by default: it reads every gradient
+            a few more times (on XLA's CPU backend about three more passes,
+            see README's benchmark). No host call.
 
     How a step runs is decided once per trace and kept in `step_plan` (a
     `StepPlan`): inside a `tf.function` a step with one of Keras' own inner
@@ -152,6 +197,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         overflow_attribution=True,
         min_scale_policy="warn",
         jit_compile="auto",
+        gradient_stats=False,
         **kwargs,
     ):
         keras_style = {k: kwargs.pop(k) for k in _KERAS_STYLE_KEYWORDS if k in kwargs}
@@ -169,6 +215,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"got overflow_attribution={overflow_attribution!r}"
             )
         policy = overflow.MinScalePolicy(min_scale_policy)
+        if not isinstance(gradient_stats, bool):
+            raise TypeError(
+                f"`gradient_stats` must be True or False; got gradient_stats={gradient_stats!r}"
+            )
         if not (isinstance(jit_compile, bool) or jit_compile == "auto"):
             raise ValueError(
                 "`jit_compile` must be True, False or 'auto'; "
@@ -183,8 +233,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.overflow_attribution = overflow_attribution
         self._min_scale_policy = policy
         self.jit_compile = jit_compile
+        self.record_gradient_stats = gradient_stats
         self._unscaled_marks = _plan.UnscaledMarks()
         self._overflow = None  # an overflow.OverflowRecord, made by build()
+        self._stats = None  # a stats_lib.GradientStatsRecord, made by build()
         self._fallback_warned = False
         self.step_plan = None
 
@@ -241,11 +293,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # The generic Optimizer.build; Keras' LossScaleOptimizer.build would
         # create its own scale variables.
         super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
+        names = [getattr(v, "path", None) or v.name for v in var_list]
         with tf.name_scope(self.name):
+            if self.record_gradient_stats:
+                self._stats = stats_lib.GradientStatsRecord(names)
             self._overflow = overflow.OverflowRecord(
-                [getattr(v, "path", None) or v.name for v in var_list],
-                self.overflow_attribution,
-                self._min_scale_policy,
+                names, self.overflow_attribution, self._min_scale_policy, self._stats
             )
 
     # -- scaling ----------------------------------------------------------------
@@ -362,6 +415,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         unscaled = [_divide(g, scale) if d else g for g, d in zip(grads, plan.divide)]
         checked = grads if plan.check == "scaled" else unscaled
         should_apply = self._update_loss_scale(checked, unscaled, trainable_variables, scale)
+        if self._stats is not None:
+            self._record_gradient_stats(plan, grads, checked, trainable_variables, scale,
+                                        should_apply)
         if should_apply is True:
             self.inner_optimizer.apply(unscaled, trainable_variables)
             return
@@ -404,6 +460,22 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         stuck = tf.logical_and(tf.logical_not(is_finite), scale <= loss_scale.min_loss_scale)
         self._overflow.record(is_finite, mask, tf.cast(self.iterations, tf.int64), stuck)
         return is_finite
+
+    def _record_gradient_stats(self, plan, grads, checked, trainable_variables, scale,
+                               should_apply):
+        present = [i for i, g in enumerate(grads) if g is not None]
+        # The scaled gradients: as given, or multiplied back where they came
+        # already divided.
+        scaled = [
+            grads[i] if plan.divide[i] else _multiply(grads[i], scale) for i in present
+        ]
+        stats = stats_lib.worst_over_replicas(
+            stats_lib.tensor_stats(finite.gradient_values(scaled))
+        )
+        if should_apply is True:  # a fixed scale: keep finite steps' figures only
+            should_apply = finite.all_finite([checked[i] for i in present], across_replicas=True)
+        positions = [self._get_variable_index(trainable_variables[i]) for i in present]
+        self._stats.record(should_apply, stats, positions)
 
     def _warn_fallback(self, reason):
         if self._fallback_warned:
@@ -483,6 +555,34 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.loss_scale().numpy(), 0 if skipped is None else skipped.numpy()
         )
 
+    def gradient_stats(self):
+        """Where the scaled gradients sat in float16's range on the last finite step.
+
+        A host read (call between steps). Needs ``gradient_stats=True``.
+
+        Returns:
+            ``{variable path: tfdls.GradientStats}`` with the headroom below
+            float16's maximum in bits and the fractions of zero and subnormal
+            elements (NaN before the first finite step).
+
+        Example:
+
+        >>> opt = tfdls.LossScaleOptimizer(
+        ...     keras.optimizers.SGD(), tfdls.DynamicLossScale(2.0**10), gradient_stats=True)
+        >>> w = keras.Variable([0.0, 0.0], name="w")
+        >>> opt.apply([tf.constant([0.0, 32.0]) * 2.0**10], [w])  # 32 * 1024 = 2**15
+        >>> opt.gradient_stats()["w"]
+        GradientStats(headroom_bits=0.99929..., zero_fraction=0.5, subnormal_fraction=0.0)
+        """
+        if not self.record_gradient_stats:
+            raise ValueError(
+                "gradient_stats() needs LossScaleOptimizer(..., gradient_stats=True); "
+                "got gradient_stats=False"
+            )
+        if not self.built:
+            return {}
+        return self._stats.read()
+
     def check_min_scale_policy(self):
         """Applies `min_scale_policy` to overflows-at-minimum not yet reported.
 
@@ -503,6 +603,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "overflow_attribution": self.overflow_attribution,
             "min_scale_policy": self._min_scale_policy.policy,
             "jit_compile": self.jit_compile,
+            "gradient_stats": self.record_gradient_stats,
         }
 
     @classmethod

@@ -57,6 +57,9 @@ class OverflowReport:
             (on any replica).
         loss_scale: the scale after the step's update.
         num_skipped_steps: total skipped steps so far.
+        headroom_bits: with ``gradient_stats=True``, the headroom (in bits,
+            below float16's maximum) each named variable's scaled gradient
+            had on the last finite step; empty otherwise.
 
     Example:
 
@@ -71,19 +74,29 @@ class OverflowReport:
     variable_names: tuple
     loss_scale: float
     num_skipped_steps: int
+    headroom_bits: tuple = ()
 
     def __str__(self):
         names = ", ".join(self.variable_names) or "(none recorded)"
         return (
             f"step {self.step}: non-finite gradients for {names}; loss scale now "
             f"{self.loss_scale:g}, {self.num_skipped_steps} steps skipped in total"
+            + _headroom_text(self.variable_names, self.headroom_bits)
         )
 
 
-def _stuck_message(step, names, min_loss_scale):
+def _headroom_text(names, headroom_bits):
+    if not headroom_bits:
+        return ""
+    parts = [f"{name} had {bits:.1f} bits" for name, bits in zip(names, headroom_bits)]
+    return "; headroom on the last finite step: " + ", ".join(parts)
+
+
+def _stuck_message(step, names, min_loss_scale, headroom_bits=()):
     return (
         f"tfdls: the loss scale is at its minimum ({min_loss_scale:g}) and step {step} "
-        f"still produced non-finite gradients for: {', '.join(names) or '(unknown)'}. "
+        f"still produced non-finite gradients for: {', '.join(names) or '(unknown)'}"
+        f"{_headroom_text(names, headroom_bits)}. "
         "Lowering the scale cannot fix this: the model is likely diverging (learning "
         "rate too high, bad input data, or an op overflowing in the forward pass). "
         "Set min_scale_policy='ignore' on LossScaleOptimizer to silence this."
@@ -107,11 +120,11 @@ class MinScalePolicy:
         self.policy = policy
         self._warned = False
 
-    def __call__(self, step, names, min_loss_scale):
+    def __call__(self, step, names, min_loss_scale, headroom_bits=()):
         """Reports a stuck overflow at `step` for the variables `names`."""
         if self.policy == "ignore":
             return
-        message = _stuck_message(int(step), list(names), float(min_loss_scale))
+        message = _stuck_message(int(step), list(names), float(min_loss_scale), headroom_bits)
         if self.policy == "raise":
             raise LossScaleStuckError(message)
         if not self._warned:
@@ -133,15 +146,18 @@ class OverflowRecord:
         attribution: whether to record which variables overflowed (the step
             of the last overflow is always recorded).
         policy: the `MinScalePolicy` applied by `check_policy`.
+        gradient_stats: an optional `tfdls.gradient_stats.GradientStatsRecord`
+            whose headroom figures reports and warnings quote.
 
     The variables are diagnostics, not training state: they are not
     checkpointed (a restored run starts a new record).
     """
 
-    def __init__(self, variable_names, attribution, policy):
+    def __init__(self, variable_names, attribution, policy, gradient_stats=None):
         self.variable_names = tuple(variable_names)
         self.attribution = attribution
         self.policy = policy
+        self.gradient_stats = gradient_stats
         self.mask = state_variable(
             "overflow_mask", np.zeros([len(self.variable_names)], np.bool_), tf.bool
         )
@@ -172,12 +188,20 @@ class OverflowRecord:
         step = int(self.last_step.numpy())
         if step < 0:
             return None
+        names = names_from_mask(self.mask.numpy(), self.variable_names)
         return OverflowReport(
             step=step,
-            variable_names=names_from_mask(self.mask.numpy(), self.variable_names),
+            variable_names=names,
             loss_scale=float(loss_scale),
             num_skipped_steps=int(num_skipped_steps),
+            headroom_bits=self._headroom(names),
         )
+
+    def _headroom(self, names):
+        if self.gradient_stats is None:
+            return ()
+        figures = self.gradient_stats.read()
+        return tuple(figures[name].headroom_bits for name in names)
 
     def check_policy(self, min_loss_scale):
         """Host read: applies the policy to stuck overflows not reported yet."""
@@ -186,4 +210,4 @@ class OverflowRecord:
             return
         self._stuck_overflows_seen = stuck
         names = names_from_mask(self.mask.numpy(), self.variable_names)
-        self.policy(int(self.last_step.numpy()), names, min_loss_scale)
+        self.policy(int(self.last_step.numpy()), names, min_loss_scale, self._headroom(names))

@@ -1,0 +1,129 @@
+"""Where the scaled gradients sit in float16's range: "is my loss scale right?"
+
+A loss scale has one job: put the scaled gradients inside float16's range,
+below 65504 (else they overflow) and at or above 2**-14 (below it they lose
+precision as subnormals, and below 2**-24 they become 0). With
+``LossScaleOptimizer(..., gradient_stats=True)`` every finite step records,
+on the device and per variable, from the scaled gradients:
+
+* ``headroom_bits``: ``log2(65504 / max|g * s|)``, how many doublings of the
+  scale the largest gradient element could take before it overflows float16
+  (``inf`` for an all-zero gradient; negative once it is beyond float16);
+* ``zero_fraction``: the fraction of elements that are exactly zero;
+* ``subnormal_fraction``: the fraction that are nonzero but below 2**-14 in
+  magnitude (float16's subnormal range).
+
+Under a `tf.distribute` strategy each figure is the worst replica's (the
+smallest headroom, the largest fractions). Skipped steps leave the last
+finite step's figures. For sparse gradients the figures cover the rows
+present. The host reads them with `LossScaleOptimizer.gradient_stats()`.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from tfdls import _distribute
+from tfdls._distribute import state_variable
+
+FLOAT16_MAX = 65504.0
+FLOAT16_MIN_NORMAL = 2.0**-14
+_LOG2_FLOAT16_MAX = math.log2(FLOAT16_MAX)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientStats:
+    """One variable's scaled gradient on the last finite step.
+
+    Attributes:
+        headroom_bits: ``log2(65504 / max|g * s|)``; ``inf`` if all zero;
+            NaN before the first finite step.
+        zero_fraction: fraction of elements exactly 0.
+        subnormal_fraction: fraction nonzero but below 2**-14 in magnitude.
+
+    Example:
+
+    >>> tfdls.GradientStats(headroom_bits=0.3, zero_fraction=0.0, subnormal_fraction=0.25)
+    GradientStats(headroom_bits=0.3, zero_fraction=0.0, subnormal_fraction=0.25)
+    """
+
+    headroom_bits: float
+    zero_fraction: float
+    subnormal_fraction: float
+
+
+def tensor_stats(values):
+    """In-step: a [3, len(values)] float32 tensor of the figures of each tensor.
+
+    Args:
+        values: dense scaled gradient tensors (any float dtype).
+
+    Rows: headroom bits, zero fraction, subnormal fraction. Branch-free.
+    """
+    columns = []
+    for value in values:
+        size = max(int(value.shape.num_elements() or 0), 1)
+        magnitude = tf.abs(value)
+        # max(max, -min) rather than max(abs): plain reductions, which XLA's
+        # CPU backend runs several times faster. Only finite steps are kept.
+        largest = tf.cast(
+            tf.maximum(tf.reduce_max(value), -tf.reduce_min(value)), tf.float64
+        )
+        # log2(0) = -inf, so an all-zero gradient has infinite headroom.
+        headroom = _LOG2_FLOAT16_MAX - tf.math.log(largest) / math.log(2.0)
+        zeros = tf.reduce_sum(tf.cast(tf.equal(magnitude, 0), tf.float32))
+        small = tf.logical_and(magnitude > 0, magnitude < FLOAT16_MIN_NORMAL)
+        subnormals = tf.reduce_sum(tf.cast(small, tf.float32))
+        columns.append(tf.stack([tf.cast(headroom, tf.float32), zeros / size, subnormals / size]))
+    return tf.stack(columns, axis=1)
+
+
+def worst_over_replicas(stats):
+    """The worst replica's figures: smallest headroom, largest fractions."""
+    if not _distribute.has_strategy():
+        return stats
+    gathered = tf.distribute.get_replica_context().all_gather(stats[tf.newaxis], axis=0)
+    return tf.stack(
+        [
+            tf.reduce_min(gathered[:, 0], axis=0),
+            tf.reduce_max(gathered[:, 1], axis=0),
+            tf.reduce_max(gathered[:, 2], axis=0),
+        ]
+    )
+
+
+class GradientStatsRecord:
+    """The device-side figures of every variable, and their host-side reader.
+
+    Args:
+        variable_names: the paths of the variables the optimizer was built with.
+    """
+
+    def __init__(self, variable_names):
+        self.variable_names = tuple(variable_names)
+        self.figures = state_variable(
+            "gradient_stats", np.full([3, len(self.variable_names)], np.nan, np.float32),
+            tf.float32,
+        )
+
+    def record(self, is_finite, stats, positions):
+        """In-step, branch-free: keeps `stats` (for the variables at `positions`) iff finite."""
+        current = tf.convert_to_tensor(self.figures)
+        if positions == list(range(len(self.variable_names))):
+            new = stats
+        else:
+            indices = tf.constant(positions, tf.int32, shape=[len(positions), 1])
+            new = tf.transpose(
+                tf.tensor_scatter_nd_update(tf.transpose(current), indices, tf.transpose(stats))
+            )
+        self.figures.assign(tf.where(is_finite, new, current))
+
+    def read(self):
+        """Host read: ``{variable name: GradientStats}``."""
+        figures = self.figures.numpy()
+        return {
+            name: GradientStats(*(float(x) for x in figures[:, i]))
+            for i, name in enumerate(self.variable_names)
+        }
