@@ -30,6 +30,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+pytestmark = pytest.mark.slow  # subprocesses: run by CI, not by the fast loop
+
 JOB_PATH = pathlib.Path(__file__).resolve().with_name("multi_worker_job.py")
 _spec = importlib.util.spec_from_file_location("multi_worker_job", JOB_PATH)
 job = importlib.util.module_from_spec(_spec)

@@ -119,7 +119,6 @@ def _lookup():
 OPTIMIZER_METHODS = (
     "_get_variable_index",  # positions of variables (overflow attribution)
     "_check_variables_are_known",  # Keras' own "unknown variable" error
-    "_overwrite_variable_with_gradient",  # variables whose gradient is a value
 )
 OPTIMIZER_ATTRIBUTES = ("_trainable_variables",)  # set in Optimizer.__init__
 

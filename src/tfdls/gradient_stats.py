@@ -65,7 +65,16 @@ def tensor_stats(values):
     columns = []
     for value in values:
         size = max(int(value.shape.num_elements() or 0), 1)
-        magnitude = tf.abs(value)
+        if value.dtype == tf.float16:
+            zeros, subnormals = _float16_counts(value)
+            value = tf.cast(value, tf.float32)
+        else:
+            if value.dtype == tf.bfloat16:
+                value = tf.cast(value, tf.float32)
+            magnitude = tf.abs(value)
+            zeros = tf.reduce_sum(tf.cast(tf.equal(magnitude, 0), tf.float32))
+            small = tf.logical_and(magnitude > 0, magnitude < FLOAT16_MIN_NORMAL)
+            subnormals = tf.reduce_sum(tf.cast(small, tf.float32))
         # max(max, -min) rather than max(abs): plain reductions, which XLA's
         # CPU backend runs several times faster. Only finite steps are kept.
         largest = tf.cast(
@@ -73,11 +82,21 @@ def tensor_stats(values):
         )
         # log2(0) = -inf, so an all-zero gradient has infinite headroom.
         headroom = _LOG2_FLOAT16_MAX - tf.math.log(largest) / math.log(2.0)
-        zeros = tf.reduce_sum(tf.cast(tf.equal(magnitude, 0), tf.float32))
-        small = tf.logical_and(magnitude > 0, magnitude < FLOAT16_MIN_NORMAL)
-        subnormals = tf.reduce_sum(tf.cast(small, tf.float32))
         columns.append(tf.stack([tf.cast(headroom, tf.float32), zeros / size, subnormals / size]))
     return tf.stack(columns, axis=1)
+
+
+def _float16_counts(value):
+    """Zero and subnormal elements of a float16 tensor, counted on its bits.
+
+    Float comparisons are not reliable for float16 subnormals: some CPU
+    kernels (XLA's in TensorFlow 2.16, for one) treat them as zero.
+    """
+    magnitude_bits = tf.bitwise.bitwise_and(tf.bitcast(value, tf.int16), 0x7FFF)
+    zeros = tf.reduce_sum(tf.cast(tf.equal(magnitude_bits, 0), tf.float32))
+    # Exponent bits all zero, mantissa not: below 2**-14 (bit pattern 0x0400).
+    small = tf.logical_and(magnitude_bits > 0, magnitude_bits < 0x0400)
+    return zeros, tf.reduce_sum(tf.cast(small, tf.float32))
 
 
 def worst_over_replicas(stats):
