@@ -35,7 +35,15 @@ def _float32_policy():
     keras.mixed_precision.set_global_policy("float32")
 
 
-@pytest.fixture(params=["eager", "function", "xla"])
+@pytest.fixture(
+    params=[
+        # The fast loop (-m "not slow") runs each such test in graph mode;
+        # CI runs all three.
+        pytest.param("eager", marks=pytest.mark.slow),
+        "function",
+        pytest.param("xla", marks=pytest.mark.slow),
+    ]
+)
 def run_mode(request):
     """Wraps a Python step function for eager, tf.function or XLA execution."""
 

@@ -82,8 +82,18 @@ def test_every_exported_class_is_listed_as_supported():
     assert sorted(cls.__name__ for cls in _masked_update.SUPPORTED) == EXPORTED
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("name", EXPORTED)
+# The fast loop runs Adam in the three traced kinds of step and MultiOptimizer
+# once; CI runs every class in every mode.
+FAST_CASES = {("Adam", "graph-auto"), ("Adam", "graph-jit-false"), ("Adam", "xla"),
+              ("MultiOptimizer", "graph-auto")}
+MATRIX = [
+    pytest.param(name, mode, marks=() if (name, mode) in FAST_CASES else pytest.mark.slow)
+    for name in EXPORTED
+    for mode in sorted(MODES)
+]
+
+
+@pytest.mark.parametrize("name, mode", MATRIX)
 def test_skipped_step_is_bit_identical_and_finite_steps_match_bare(name, mode):
     _, jit_compile = MODES[mode]
     variables, bare_variables = _variables(), _variables()

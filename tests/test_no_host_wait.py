@@ -25,6 +25,7 @@ import pytest
 import tensorflow as tf
 
 import tfdls
+from fast_loop import slow_except
 
 BRANCH_OPS = {"If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile"}
 HOST_OPS = {"EagerPyFunc", "PyFunc", "PyFuncStateless"}
@@ -107,6 +108,7 @@ def test_the_table(kind, inner_name):
         assert (conditionals, branches, host_calls) == (0, 0, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inner_name", EXPORTED)
 @pytest.mark.parametrize("kind", ["tfdls", "tfdls_nojit"])
 def test_no_branch_or_host_call_for_every_exported_class(kind, inner_name):
@@ -117,6 +119,7 @@ def test_no_branch_or_host_call_for_every_exported_class(kind, inner_name):
     assert opt.step_plan.skip == "masked"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "inner_name", [n for n in ("SGD", "Adam", "MultiOptimizer", "AdamW") if n in EXPORTED]
 )
@@ -126,7 +129,7 @@ def test_no_conditional_in_the_compiled_step_for_more_classes(inner_name):
     assert xla_conditionals(lambda grads: opt.apply(grads, variables), _grads()) == 0
 
 
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+@pytest.mark.parametrize("jit_compile", slow_except([False, True], [], ["graph", "xla"]))
 def test_fit_plans_a_branch_free_step(jit_compile):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
     opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam())

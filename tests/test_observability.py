@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tfdls
+from fast_loop import slow_except
 
 NAN = float("nan")
 
@@ -214,6 +215,7 @@ def _mirrored_setup(strategy, build):
     return alpha, beta, opt, distributed_step
 
 
+@pytest.mark.slow
 def test_mirrored_custom_loop_builds_on_first_call(mirrored_strategy):
     """As with a plain Keras optimizer, the first apply may build the optimizer
     inside `strategy.run` in a tf.function."""
@@ -251,7 +253,7 @@ def test_mirrored_nan_on_one_replica_is_attributed(mirrored_strategy):
 # -- overflow attribution: model.fit -------------------------------------------
 
 
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+@pytest.mark.parametrize("jit_compile", slow_except([False, True], [False], ["graph", "xla"]))
 def test_fit_attribution_names_the_layer_weight(jit_compile):
     keras.utils.set_random_seed(0)
     opt = tfdls.LossScaleOptimizer(
@@ -299,6 +301,7 @@ def test_counters_are_checkpointed_variables(tmp_path):
     assert int(restored.steps_since_overflow.numpy()) == 0
 
 
+@pytest.mark.slow
 def test_counters_restore_through_the_optimizer(tmp_path):
     def make():
         var = keras.Variable(np.ones((2,), "float32"), name="v")
@@ -344,7 +347,7 @@ def _runtime_warnings(record):
     return [w for w in record if issubclass(w.category, RuntimeWarning)]
 
 
-@pytest.mark.parametrize("mode", STEP_MODES)
+@pytest.mark.parametrize("mode", slow_except(STEP_MODES, ["graph"]))
 def test_warn_policy_warns_once_at_the_host_check_in_every_mode(mode):
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -363,7 +366,7 @@ def test_warn_policy_warns_once_at_the_host_check_in_every_mode(mode):
     assert float(opt.loss_scale().numpy()) == 1.0
 
 
-@pytest.mark.parametrize("mode", STEP_MODES)
+@pytest.mark.parametrize("mode", slow_except(STEP_MODES, ["xla"]))
 def test_raise_policy_raises_the_plain_error_at_the_host_check_in_every_mode(mode):
     opt = _stuck_run("raise", mode, stuck_steps=2)  # the steps themselves do not raise
     with pytest.raises(tfdls.LossScaleStuckError, match=r"minimum \(1\).*step 2.*block/beta"):
@@ -374,7 +377,7 @@ def test_raise_policy_raises_the_plain_error_at_the_host_check_in_every_mode(mod
         opt.last_overflow()
 
 
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+@pytest.mark.parametrize("jit_compile", slow_except([False, True], [True], ["graph", "xla"]))
 def test_raise_policy_from_fit_without_a_monitor_at_the_end(jit_compile):
     model, x, y = _nan_model(_stuck_opt("raise"), jit_compile=jit_compile)
     epochs = []
@@ -412,7 +415,7 @@ def test_ignore_policy_is_silent():
     assert int(opt.loss_scale.num_skipped_steps.numpy()) == 4
 
 
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+@pytest.mark.parametrize("jit_compile", slow_except([False, True], [False], ["graph", "xla"]))
 def test_fit_raise_policy_via_monitor_at_the_first_logged_batch(jit_compile):
     model, x, y = _nan_model(_stuck_opt("raise"), jit_compile=jit_compile)
     batches = []
@@ -426,6 +429,7 @@ def test_fit_raise_policy_via_monitor_at_the_first_logged_batch(jit_compile):
     assert batches == []  # the monitor ran first and stopped fit after batch 0
 
 
+@pytest.mark.slow
 def test_fit_warn_policy_via_monitor():
     model, x, y = _nan_model(_stuck_opt("warn"), jit_compile=True)
     with pytest.warns(RuntimeWarning, match=r"minimum.*lin/kernel"):
@@ -484,7 +488,7 @@ EXPECTED_HISTORY = {
 }
 
 
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+@pytest.mark.parametrize("jit_compile", slow_except([False, True], [], ["graph", "xla"]))
 def test_monitor_history_per_epoch(jit_compile):
     opt, history = _monitored_fit(jit_compile, tfdls.LossScaleMonitor())
     for key, expected in EXPECTED_HISTORY.items():
@@ -493,6 +497,7 @@ def test_monitor_history_per_epoch(jit_compile):
     assert int(opt.iterations.numpy()) == 8
 
 
+@pytest.mark.slow
 def test_monitor_under_mirrored_strategy(mirrored_strategy):
     opt, history = _monitored_fit(False, tfdls.LossScaleMonitor(), strategy=mirrored_strategy)
     for key, expected in EXPECTED_HISTORY.items():
@@ -515,6 +520,7 @@ class BatchRecorder(keras.callbacks.Callback):
         self.actual.append(_state(self.model.optimizer))
 
 
+@pytest.mark.slow
 def test_monitor_update_freq_batches():
     recorder = BatchRecorder()
     opt, history = _monitored_fit(
@@ -545,6 +551,7 @@ def _event_scalars(log_dir):
     return values
 
 
+@pytest.mark.slow
 def test_monitor_writes_tensorboard_scalars(tmp_path):
     log_dir = str(tmp_path / "logs")
     opt, history = _monitored_fit(False, tfdls.LossScaleMonitor(log_dir=log_dir))
@@ -583,6 +590,7 @@ def test_monitor_batch_points_line_up_with_tensorboard_and_are_written_once(tmp_
     assert set(steps) <= set(axis.steps)
 
 
+@pytest.mark.slow
 def test_monitor_reads_only_at_epoch_end(monkeypatch):
     monitor = tfdls.LossScaleMonitor()
     reads = []
@@ -597,6 +605,7 @@ def test_monitor_reads_only_at_epoch_end(monkeypatch):
     assert len(reads) == 3
 
 
+@pytest.mark.slow
 def test_monitor_reads_every_n_batches(monkeypatch):
     monitor = tfdls.LossScaleMonitor(update_freq=2)
     reads = []

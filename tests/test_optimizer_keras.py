@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import tfdls
+from fast_loop import slow_except
 
 
 def _separable_data(n=256, d=8, seed=0):
@@ -35,7 +36,7 @@ def _binary_model(d=8, seed=0):
     ])
 
 
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["nojit", "jit"])
+@pytest.mark.parametrize("jit_compile", slow_except([False, True], [], ["nojit", "jit"]))
 def test_fit_mixed_float16_learns(jit_compile):
     keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = _separable_data()
@@ -62,6 +63,7 @@ def test_fit_mixed_float16_learns(jit_compile):
     assert float(opt.loss_scale().numpy()) > 2.0**15 or skipped > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["nojit", "jit"])
 def test_fit_with_overflowing_initial_scale_recovers(jit_compile):
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -88,6 +90,7 @@ def test_fit_with_overflowing_initial_scale_recovers(jit_compile):
         assert np.all(np.isfinite(keras.ops.convert_to_numpy(w)))
 
 
+@pytest.mark.slow
 def test_fit_digits_multiclass():
     from sklearn.datasets import load_digits
 
@@ -114,6 +117,7 @@ def test_fit_digits_multiclass():
     assert accuracy > 0.85
 
 
+@pytest.mark.slow
 def test_fit_matches_manual_loop_float32():
     """fit() with the wrapper gives the same weights as fit() with the bare optimizer
     (power-of-two scale, float32: scaling is exact)."""

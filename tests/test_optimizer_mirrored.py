@@ -41,6 +41,7 @@ def test_strategy_has_two_replicas(mirrored_strategy):
 # -- fit ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fit_under_mirrored_strategy(mirrored_strategy):
     strategy = mirrored_strategy
     keras.mixed_precision.set_global_policy("mixed_float16")

@@ -146,6 +146,7 @@ def test_keras_style_config_round_trip():
 # -- model.save / load_model ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_model_save_and_load_resumes_exactly(tmp_path):
     model = _compiled()
     _fit(model, epochs=2)
@@ -175,6 +176,7 @@ def test_model_save_and_load_resumes_exactly(tmp_path):
     _assert_same(lopt.inner_optimizer.variables, opt.inner_optimizer.variables)
 
 
+@pytest.mark.slow
 def test_model_save_keeps_mid_hysteresis_state(tmp_path):
     """A hysteresis budget of 1 (one overflow since the last growth) survives."""
     model = _compiled()
@@ -226,10 +228,12 @@ def _checkpoint_roundtrip(tmp_path, build_before_restore):
     _assert_same(fopt.inner_optimizer.variables, opt.inner_optimizer.variables)
 
 
+@pytest.mark.slow
 def test_tf_checkpoint_restore_into_built_optimizer(tmp_path):
     _checkpoint_roundtrip(tmp_path, build_before_restore=True)
 
 
+@pytest.mark.slow
 def test_tf_checkpoint_deferred_restore(tmp_path):
     _checkpoint_roundtrip(tmp_path, build_before_restore=False)
 
@@ -247,6 +251,7 @@ class _Interrupt(keras.callbacks.Callback):
             raise RuntimeError("simulated preemption")
 
 
+@pytest.mark.slow
 def test_backup_and_restore_resumes_loss_scale(tmp_path):
     backup_dir = str(tmp_path / "backup")
     epochs = 4

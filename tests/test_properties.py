@@ -122,18 +122,21 @@ def _check_against_model(kwargs, decisions, mode):
         assert update.experimental_get_tracing_count() == 1
 
 
+@pytest.mark.slow
 @settings(max_examples=35, **SETTINGS)
 @given(kwargs=loss_scale_args(), decisions=decision_sequences)
 def test_dynamic_loss_scale_matches_model_eager(kwargs, decisions):
     _check_against_model(kwargs, decisions, "eager")
 
 
+@pytest.mark.slow
 @settings(max_examples=30, **NO_SHRINK)
 @given(kwargs=loss_scale_args(), decisions=decision_sequences)
 def test_dynamic_loss_scale_matches_model_function(kwargs, decisions):
     _check_against_model(kwargs, decisions, "function")
 
 
+@pytest.mark.slow
 @settings(max_examples=12, **NO_SHRINK)
 @given(kwargs=loss_scale_args(), decisions=decision_sequences)
 def test_dynamic_loss_scale_matches_model_xla(kwargs, decisions):

@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tfdls
+from fast_loop import slow_except
 
 SCALE = 1024.0
 
@@ -34,7 +35,7 @@ def _expected(steps=1, lr=1.0, true=(1.0, 2.0, -3.0)):
     return -steps * lr * np.asarray(true, "float32")
 
 
-@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+@pytest.mark.parametrize("mode", slow_except(["eager", "function", "xla"], ["eager", "function"]))
 def test_a_stray_eager_call_does_not_leak_into_later_steps(mode):
     w, opt = _setup()
     opt.get_unscaled_gradients([_scaled()])  # e.g. logging a norm after a restore
@@ -61,7 +62,7 @@ def test_a_mark_does_not_survive_an_apply_that_raised():
     np.testing.assert_array_equal(w.numpy(), _expected())
 
 
-@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+@pytest.mark.parametrize("mode", slow_except(["eager", "function", "xla"], ["function"]))
 def test_logging_unscaled_then_applying_the_scaled_gradients(mode):
     w, opt = _setup()
     norms = []
@@ -77,7 +78,7 @@ def test_logging_unscaled_then_applying_the_scaled_gradients(mode):
     np.testing.assert_array_equal(w.numpy(), _expected())
 
 
-@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+@pytest.mark.parametrize("mode", slow_except(["eager", "function", "xla"], ["xla"]))
 def test_tf_keras_workflow_divides_once(mode):
     w, opt = _setup()
 
@@ -92,7 +93,7 @@ def test_tf_keras_workflow_divides_once(mode):
     np.testing.assert_array_equal(w.numpy(), _expected(steps=2))
 
 
-@pytest.mark.parametrize("mode", ["function", "xla"])
+@pytest.mark.parametrize("mode", slow_except(["function", "xla"], ["function"]))
 def test_gradients_computed_from_unscaled_ones_are_not_divided_again(mode):
     w, opt = _setup()
 
@@ -163,6 +164,7 @@ def test_unscaled_gradients_captured_by_a_nested_function_are_recognized():
     np.testing.assert_array_equal(w.numpy(), _expected())
 
 
+@pytest.mark.slow
 def test_fit_after_a_stray_eager_call_trains_like_without_it():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 4)).astype("float32")

@@ -10,6 +10,8 @@ why a path was not taken.
 `apply` divides every gradient by the scale exactly once.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import threading
 import weakref
@@ -39,16 +41,28 @@ class StepPlan:
         compile: the apply runs as its own XLA cluster.
         reason: why `skip` is not ``"masked"`` and `compile` is False, in
             words (empty when both fast paths are taken).
+
+    Example:
+
+    >>> opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam())
+    >>> w = keras.Variable([1.0, 2.0], name="w")
+    >>> step = tf.function(lambda g: opt.apply([g], [w]))
+    >>> step(tf.ones(2))
+    >>> opt.step_plan.skip, opt.step_plan.check, opt.step_plan.compile
+    ('masked', 'scaled', True)
+    >>> opt.apply([tf.ones(2)], [w])  # eager: no trace to audit
+    >>> opt.step_plan.skip, opt.step_plan.reason
+    ('cond', 'eager execution (the cond runs one branch; no trace to audit)')
     """
 
-    divide: tuple
+    divide: tuple[bool, ...]
     check: str
     skip: str
     compile: bool
     reason: str = ""
 
     @property
-    def unscale(self):
+    def unscale(self) -> str:
         """``"explicit"``, ``"already"`` or ``"mixed"``: a summary of `divide`."""
         if all(self.divide):
             return "explicit"

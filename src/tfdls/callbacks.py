@@ -1,5 +1,7 @@
 """`LossScaleMonitor`: the loss scale in `fit` logs, History and TensorBoard."""
 
+from __future__ import annotations
+
 import dataclasses
 import math
 
@@ -58,14 +60,16 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     Example:
 
-    >>> model.compile(optimizer=tfdls.LossScaleOptimizer(keras.optimizers.Adam()),
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile(optimizer=tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
     ...               loss="mse")
-    >>> history = model.fit(x, y, callbacks=[tfdls.LossScaleMonitor("logs/")])
-    >>> history.history["loss_scale"]
-    [32768.0, 65536.0]
+    >>> x, y = np.ones((8, 2), "float32"), np.ones((8, 1), "float32")
+    >>> history = model.fit(x, y, epochs=2, verbose=0, callbacks=[tfdls.LossScaleMonitor()])
+    >>> history.history["loss_scale"], history.history["skipped_steps"]
+    ([32768.0, 32768.0], [0, 0])
     """
 
-    def __init__(self, log_dir=None, update_freq="epoch"):
+    def __init__(self, log_dir: str | None = None, update_freq: int | str = "epoch"):
         super().__init__()
         if update_freq != "epoch" and (
             isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1

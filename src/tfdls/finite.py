@@ -22,8 +22,11 @@ Per gradient it uses one of two exact reductions:
   into Inf, so they always take the first form.
 """
 
+from __future__ import annotations
+
 import math
 import os
+from typing import Any, Sequence
 
 import tensorflow as tf
 
@@ -37,7 +40,7 @@ _MATVEC_MIN_WIDTH = 16
 _MATVEC_MAX_WIDTH = 4096
 
 
-def gradient_values(grads):
+def gradient_values(grads: Any) -> list[tf.Tensor]:
     """Flattens a nest of gradients into a list of dense value tensors.
 
     `None` entries (variables without a gradient) are dropped and
@@ -105,7 +108,7 @@ def _exact_flag(value):
     return tf.reduce_all(tf.math.is_finite(value))
 
 
-def finite_flags(values):
+def finite_flags(values: Sequence[tf.Tensor]) -> tf.Tensor:
     """Returns a bool vector: entry `i` is True iff `values[i]` is all finite.
 
     Args:
@@ -125,7 +128,7 @@ def finite_flags(values):
     return tf.stack(flags)
 
 
-def nonfinite_counts(values, across_replicas=False):
+def nonfinite_counts(values: Sequence[tf.Tensor], across_replicas: bool = False) -> tf.Tensor:
     """Per tensor, how many replicas saw a NaN/Inf in it (float32 vector).
 
     Args:
@@ -139,7 +142,7 @@ def nonfinite_counts(values, across_replicas=False):
     return _distribute.sum_over_replicas(local) if across_replicas else local
 
 
-def all_finite(grads, across_replicas=False):
+def all_finite(grads: Any, across_replicas: bool = False) -> tf.Tensor:
     """Returns a scalar bool tensor: `True` iff every gradient is finite.
 
     Args:

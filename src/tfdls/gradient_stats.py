@@ -19,6 +19,8 @@ finite step's figures. For sparse gradients the figures cover the rows
 present. The host reads them with `LossScaleOptimizer.gradient_stats()`.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import math
 

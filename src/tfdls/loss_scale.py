@@ -9,8 +9,11 @@ gradients are usable. Every loss scale has the same interface:
 * ``get_config()`` / ``Class.from_config(config)``.
 """
 
+from __future__ import annotations
+
 import abc
 import math
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -79,11 +82,11 @@ class LossScale(tf.Module, metaclass=abc.ABCMeta):
     """
 
     @abc.abstractmethod
-    def __call__(self):
+    def __call__(self) -> tf.Tensor:
         """Returns the current loss scale as a float32 scalar tensor."""
 
     @abc.abstractmethod
-    def update(self, grads):
+    def update(self, grads: Any) -> tuple[Any, tf.Tensor | bool]:
         """Updates the state from this step's gradients.
 
         Args:
@@ -101,11 +104,11 @@ class LossScale(tf.Module, metaclass=abc.ABCMeta):
         """
 
     @abc.abstractmethod
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Returns the constructor arguments as a JSON-friendly dict."""
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> LossScale:
         return cls(**config)
 
 
@@ -124,23 +127,23 @@ class FixedLossScale(LossScale):
     True
     """
 
-    def __init__(self, loss_scale_value, name=None):
+    def __init__(self, loss_scale_value: float, name: str | None = None):
         super().__init__(name=name)
         self._loss_scale_value = _check_scale("loss_scale_value", loss_scale_value)
 
     @property
-    def loss_scale_value(self):
+    def loss_scale_value(self) -> float:
         return self._loss_scale_value
 
-    def __call__(self):
+    def __call__(self) -> tf.Tensor:
         return tf.constant(self._loss_scale_value, dtype=tf.float32)
 
-    def update(self, grads):
+    def update(self, grads: Any) -> tuple[Any, bool]:
         del grads
         # A Python True lets callers skip the tf.cond entirely.
         return tf.no_op(), True
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {"loss_scale_value": self._loss_scale_value}
 
     def __repr__(self):
@@ -205,15 +208,15 @@ class DynamicLossScale(LossScale):
 
     def __init__(
         self,
-        initial_loss_scale=2**15,
-        increment_period=2000,
-        multiplier=2.0,
+        initial_loss_scale: float = 2**15,
+        increment_period: int = 2000,
+        multiplier: float = 2.0,
         *,
-        backoff_factor=None,
-        min_loss_scale=1.0,
-        max_loss_scale=None,
-        hysteresis=1,
-        name=None,
+        backoff_factor: float | None = None,
+        min_loss_scale: float = 1.0,
+        max_loss_scale: float | None = None,
+        hysteresis: int = 1,
+        name: str | None = None,
     ):
         super().__init__(name=name)
         self._initial_loss_scale = _check_scale("initial_loss_scale", initial_loss_scale)
@@ -280,23 +283,23 @@ class DynamicLossScale(LossScale):
     hysteresis = property(lambda self: self._hysteresis)
 
     @property
-    def num_skipped_steps(self):
+    def num_skipped_steps(self) -> tf.Tensor:
         """Total number of steps skipped for non-finite gradients (int64 tensor)."""
         return tf.convert_to_tensor(self.num_skipped_steps_variable)
 
     @property
-    def steps_since_overflow(self):
+    def steps_since_overflow(self) -> tf.Tensor:
         """Steps since the last skipped step, or since the start (int64 tensor)."""
         return tf.convert_to_tensor(self.steps_since_overflow_variable)
 
-    def __call__(self):
+    def __call__(self) -> tf.Tensor:
         return tf.convert_to_tensor(self.current_loss_scale)
 
-    def update(self, grads):
+    def update(self, grads: Any) -> tuple[Any, tf.Tensor]:
         is_finite = finite.all_finite(grads, across_replicas=True)
         return self.update_from_decision(is_finite), is_finite
 
-    def update_from_decision(self, is_finite):
+    def update_from_decision(self, is_finite: tf.Tensor) -> Any:
         """Advances the state machine given an already-agreed finiteness flag.
 
         Branch-free: both outcomes are computed on a handful of scalars and
@@ -350,7 +353,7 @@ class DynamicLossScale(LossScale):
             ),
         )
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "initial_loss_scale": self._initial_loss_scale,
             "increment_period": self._increment_period,
@@ -368,10 +371,10 @@ class DynamicLossScale(LossScale):
         return f"DynamicLossScale({args})"
 
 
-_CLASSES = {"FixedLossScale": FixedLossScale, "DynamicLossScale": DynamicLossScale}
+_CLASSES: dict[str, type[LossScale]] = {"FixedLossScale": FixedLossScale, "DynamicLossScale": DynamicLossScale}
 
 
-def serialize(loss_scale):
+def serialize(loss_scale: LossScale) -> dict[str, Any]:
     """Returns `{"class_name": ..., "config": ...}` for a loss scale.
 
     Example:
@@ -384,7 +387,7 @@ def serialize(loss_scale):
     return {"class_name": type(loss_scale).__name__, "config": loss_scale.get_config()}
 
 
-def deserialize(config):
+def deserialize(config: dict[str, Any]) -> LossScale:
     """Builds a loss scale from the output of `serialize`.
 
     Example:
@@ -407,7 +410,7 @@ def deserialize(config):
     return cls.from_config(dict(config.get("config", {})))
 
 
-def get(identifier):
+def get(identifier: str | float | dict[str, Any] | LossScale) -> LossScale:
     """Returns a loss scale for `identifier`.
 
     Args:

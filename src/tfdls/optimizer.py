@@ -1,7 +1,10 @@
 """`LossScaleOptimizer`: dynamic loss scaling around any Keras 3 optimizer."""
 
+from __future__ import annotations
+
 import dataclasses
 import warnings
+from typing import Any, Iterable, Sequence
 
 import keras
 import tensorflow as tf
@@ -185,20 +188,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     >>> grads = opt.get_unscaled_gradients(tape.gradient(scaled_loss, [w]))
     >>> _ = opt.apply_gradients(zip(grads, [w]))  # not divided a second time
     >>> w.numpy()
-    array([0. , 0.99999994], dtype=float32)
+    array([0., 1.], dtype=float32)
     """
 
     def __init__(
         self,
-        inner_optimizer,
-        loss_scale=None,
-        name=None,
+        inner_optimizer: keras.optimizers.Optimizer,
+        loss_scale: loss_scale_lib.LossScale | str | float | dict | None = None,
+        name: str | None = None,
         *,
-        overflow_attribution=True,
-        min_scale_policy="warn",
-        jit_compile="auto",
-        gradient_stats=False,
-        **kwargs,
+        overflow_attribution: bool = True,
+        min_scale_policy: str = "warn",
+        jit_compile: bool | str = "auto",
+        gradient_stats: bool = False,
+        **kwargs: Any,
     ):
         keras_style = {k: kwargs.pop(k) for k in _KERAS_STYLE_KEYWORDS if k in kwargs}
         if kwargs:
@@ -235,8 +238,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.jit_compile = jit_compile
         self.record_gradient_stats = gradient_stats
         self._unscaled_marks = _plan.UnscaledMarks()
-        self._overflow = None  # an overflow.OverflowRecord, made by build()
-        self._stats = None  # a stats_lib.GradientStatsRecord, made by build()
+        # Made by build():
+        self._overflow: overflow.OverflowRecord | None = None
+        self._stats: stats_lib.GradientStatsRecord | None = None
         self._fallback_warned = False
         self.step_plan = None
 
@@ -303,17 +307,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -- scaling ----------------------------------------------------------------
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: Any) -> tf.Tensor:
         """Returns `loss * scale`: the hook Keras 3's `fit` calls."""
         return keras.ops.multiply(loss, self.loss_scale())
 
-    def get_scaled_loss(self, loss):
+    def get_scaled_loss(self, loss: Any) -> Any:
         """tf_keras style `scale_loss`; also accepts a zero-argument callable."""
         if callable(loss):
             return lambda: self.scale_loss(loss())
         return self.scale_loss(loss)
 
-    def get_unscaled_gradients(self, grads):
+    def get_unscaled_gradients(self, grads: Iterable[Any]) -> list[Any]:
         """Divides gradients by the scale (tf_keras style).
 
         `apply`/`apply_gradients` does not divide these again, nor (inside a
@@ -329,12 +333,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -- applying -----------------------------------------------------------------
 
-    def apply_gradients(self, grads_and_vars):
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
         grads, trainable_variables = zip(*grads_and_vars)
         self.apply(grads, trainable_variables)
         return self.iterations
 
-    def apply(self, grads, trainable_variables=None):
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         """Divides `grads` by the scale (unless already divided), updates the
         loss scale, and applies them with the inner optimizer iff all are finite."""
         try:
@@ -491,7 +495,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -- Keras 3 LossScaleOptimizer methods, on tfdls' state ---------------------------
 
-    def check_finite(self, grads):
+    def check_finite(self, grads: Any) -> tf.Tensor:
         """Keras 3's name for `tfdls.all_finite(grads)` (this replica's gradients)."""
         return finite.all_finite(grads)
 
@@ -526,7 +530,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -- diagnostics (host reads: call between steps) ------------------------------------
 
-    def last_overflow(self):
+    def last_overflow(self) -> overflow.OverflowReport | None:
         """Describes the last skipped step, or returns None if there was none.
 
         Reads a few device values (a host sync): call it between steps, not
@@ -547,7 +551,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         >>> print(opt.last_overflow())
         step 0: non-finite gradients for w; loss scale now 16384, 1 steps skipped in total
         """
-        if not self.built:
+        if self._overflow is None:  # not built yet
             return None
         self.check_min_scale_policy()
         skipped = getattr(self.loss_scale, "num_skipped_steps", None)
@@ -555,7 +559,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.loss_scale().numpy(), 0 if skipped is None else skipped.numpy()
         )
 
-    def gradient_stats(self):
+    def gradient_stats(self) -> dict[str, stats_lib.GradientStats]:
         """Where the scaled gradients sat in float16's range on the last finite step.
 
         A host read (call between steps). Needs ``gradient_stats=True``.
@@ -579,23 +583,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "gradient_stats() needs LossScaleOptimizer(..., gradient_stats=True); "
                 "got gradient_stats=False"
             )
-        if not self.built:
+        if self._stats is None:  # not built yet
             return {}
         return self._stats.read()
 
-    def check_min_scale_policy(self):
+    def check_min_scale_policy(self) -> None:
         """Applies `min_scale_policy` to overflows-at-minimum not yet reported.
 
         A host read of one counter. `tfdls.LossScaleMonitor` calls it at its
         logging frequency, `fit` at the end of training; in a custom loop,
         call it as often as you want to hear of a stuck scale.
         """
-        if self.built and isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale):
+        if self._overflow is not None and isinstance(
+            self.loss_scale, loss_scale_lib.DynamicLossScale
+        ):
             self._overflow.check_policy(self.loss_scale.min_loss_scale)
 
     # -- saving -------------------------------------------------------------------
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
@@ -607,7 +613,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         }
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(cls, config: dict[str, Any], custom_objects: dict | None = None) -> LossScaleOptimizer:
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects

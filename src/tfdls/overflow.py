@@ -14,6 +14,8 @@ decides what happens when the host sees one: ``"warn"`` (once, the default),
 ``"raise"`` (`LossScaleStuckError`) or ``"ignore"``.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import warnings
 
@@ -71,10 +73,10 @@ class OverflowReport:
     """
 
     step: int
-    variable_names: tuple
+    variable_names: tuple[str, ...]
     loss_scale: float
     num_skipped_steps: int
-    headroom_bits: tuple = ()
+    headroom_bits: tuple[float, ...] = ()
 
     def __str__(self):
         names = ", ".join(self.variable_names) or "(none recorded)"
