@@ -23,7 +23,13 @@ REPLICA_DEVICES = ["/cpu:0", "/cpu:1"]
 
 @pytest.fixture(scope="session")
 def mirrored_strategy():
-    """A MirroredStrategy over the two logical CPU devices."""
+    """A MirroredStrategy over the two logical CPU devices, shared by every test.
+
+    One per process: two MirroredStrategy instances in one process can clash
+    on TensorFlow's collective keys ("Shape mismatch in the collective
+    instance 100", reproduced with plain Keras Adam), so every test uses this
+    one, and multi-process tests start their own processes.
+    """
     return tf.distribute.MirroredStrategy(REPLICA_DEVICES)
 
 

@@ -226,3 +226,42 @@ def test_monitor_logs_the_worst_variable_and_writes_every_variable(tmp_path):
     assert scalars[f"gradient_stats/{kernel}/headroom_bits"][-1][1] == pytest.approx(
         stats[kernel].headroom_bits
     )
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((8, 2048), np.float32), ((3, 4096), np.float32), ((64, 64), np.float64), ((5000,), np.float32)],
+    ids=str,
+)
+def test_large_tensors_under_xla_equal_numpy(shape, dtype):
+    """Large gradients take the matrix-vector count under XLA on a CPU: still exact."""
+    rng = np.random.default_rng(7)
+    values = rng.normal(size=shape) * 100.0
+    flat = values.reshape(-1)
+    flat[rng.random(flat.size) < 0.3] = 0.0  # some rows with many zeros
+    flat[rng.random(flat.size) < 0.2] = 2.0**-20 * rng.choice([-1.0, 1.0])
+    flat[:2048] = 0.0  # a full row of zeros
+    variable = keras.Variable(np.zeros(shape, "float32"), name="v")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.0), gradient_stats=True)
+    tf.function(lambda g: opt.apply([g], [variable]), jit_compile=True)(
+        tf.constant(values.astype(dtype))
+    )
+    _assert_stats(opt.gradient_stats()["v"], values.astype(dtype))
+
+
+def test_xla_on_a_cpu_counts_by_matrix_vector_product(monkeypatch):
+    from tfdls import gradient_stats
+
+    calls = []
+    original = gradient_stats._counts_by_matvec
+    monkeypatch.setattr(
+        gradient_stats, "_counts_by_matvec", lambda *a: calls.append(a[1]) or original(*a)
+    )
+    values = np.zeros((4, 512), "float32")
+    values[0, :3] = [2.0**-20, 1.0, 70000.0]
+    variable = keras.Variable(np.zeros((4, 512), "float32"), name="v")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.0), gradient_stats=True)
+    opt.build([variable])  # so that the step is traced once
+    tf.function(lambda g: opt.apply([g], [variable]), jit_compile=True)(tf.constant(values))
+    assert calls == [512]
+    _assert_stats(opt.gradient_stats()["v"], values)

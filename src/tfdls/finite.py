@@ -37,7 +37,6 @@ from tfdls import _compat, _distribute
 _MATVEC_MIN_SIZE_XLA = 1024
 _MATVEC_MIN_SIZE_GRAPH = 65536
 _MATVEC_MIN_WIDTH = 16
-_MATVEC_MAX_WIDTH = 4096
 
 
 def gradient_values(grads: Any) -> list[tf.Tensor]:
@@ -66,7 +65,7 @@ def _check_floating(values):
             )
 
 
-def _host_only():
+def host_only() -> bool:
     """True when no accelerator can run the check (so matmuls are IEEE float32)."""
     if tf.config.list_physical_devices("GPU") or tf.config.list_physical_devices("TPU"):
         return False
@@ -74,18 +73,21 @@ def _host_only():
     return os.environ.get("ONEDNN_DEFAULT_FPMATH_MODE", "").upper() in ("", "STRICT", "ANY")
 
 
-def _matvec_width(value, in_xla):
-    """Inner width for the matrix-vector form of `value`, or None to use is_finite."""
+def matvec_width(value: tf.Tensor, in_xla: bool, max_width: int = 4096) -> int | None:
+    """Inner width for a matrix-vector form of `value`, or None where it does not pay.
+
+    Used by the check here and by `tfdls.gradient_stats`.
+    """
     if value.dtype not in (tf.float32, tf.float64) or not value.shape.is_fully_defined():
         return None
     size = value.shape.num_elements()
     if size < (_MATVEC_MIN_SIZE_XLA if in_xla else _MATVEC_MIN_SIZE_GRAPH):
         return None
     last = value.shape[-1] if value.shape.rank else 0
-    if _MATVEC_MIN_WIDTH <= last <= _MATVEC_MAX_WIDTH:
+    if _MATVEC_MIN_WIDTH <= last <= max_width:
         return last
     # Otherwise the largest power-of-two divisor of the size that fits.
-    width = _MATVEC_MAX_WIDTH
+    width = 1 << (max_width.bit_length() - 1)
     while width >= _MATVEC_MIN_WIDTH:
         if size % width == 0:
             return width
@@ -120,10 +122,10 @@ def finite_flags(values: Sequence[tf.Tensor]) -> tf.Tensor:
     if not values:
         return tf.ones([0], tf.bool)
     in_xla = _compat.in_xla_context()
-    host_only = _host_only()
+    on_host = host_only()
     flags = []
     for value in values:
-        width = _matvec_width(value, in_xla) if host_only else None
+        width = matvec_width(value, in_xla) if on_host else None
         flags.append(_exact_flag(value) if width is None else _matvec_flag(value, width))
     return tf.stack(flags)
 
