@@ -73,7 +73,6 @@ def plan_step(
     grads,
     trainable_variables,
     inner_optimizer,
-    loss_scale,
     jit_compile,
     already_unscaled,
     *,
@@ -87,7 +86,6 @@ def plan_step(
         grads: the gradients as passed to `apply` (None for no gradient).
         trainable_variables: their variables.
         inner_optimizer: the wrapped Keras optimizer.
-        loss_scale: the `tfdls.LossScale`.
         jit_compile: the optimizer's ``jit_compile`` setting.
         already_unscaled: per gradient, whether it came from
             `get_unscaled_gradients` (see `UnscaledMarks`).
@@ -95,7 +93,6 @@ def plan_step(
         dynamic_scale: a `DynamicLossScale` (compiling the apply pays off).
         min_scale: the smallest scale `loss_scale` can take (None: unknown).
     """
-    del loss_scale  # described by the keyword arguments
     divide = tuple(
         g is not None
         and not unscaled

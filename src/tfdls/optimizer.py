@@ -392,7 +392,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             grads,
             trainable_variables,
             self.inner_optimizer,
-            loss_scale,
             self.jit_compile,
             self._unscaled_marks.classify(grads),
             fixed_scale=isinstance(loss_scale, loss_scale_lib.FixedLossScale),
