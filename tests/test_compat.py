@@ -74,3 +74,11 @@ def test_a_missing_private_name_is_a_clear_import_error():
     assert isinstance(error, ImportError)
     assert "no_automatic_dependency_tracking" in str(error)
     assert "Keras >= 3.9" in str(error)
+
+
+def test_require_names_a_missing_module_or_attribute():
+    assert _compat._require("math", "sqrt").sqrt(4.0) == 2.0
+    with pytest.raises(ImportError, match=r"relies on tfdls_no_such_module, .*No module named"):
+        _compat._require("tfdls_no_such_module")
+    with pytest.raises(ImportError, match=r"tfdls relies on math\.no_such_name, "):
+        _compat._require("math", "no_such_name")

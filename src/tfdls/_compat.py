@@ -78,36 +78,33 @@ def _missing(what, error=None):
     )
 
 
+def _require(module_name, attribute=None):
+    """Imports `module_name` and checks that it has `attribute`; else ImportError naming it."""
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise _missing(module_name, error) from error
+    if attribute is not None and not hasattr(module, attribute):
+        raise _missing(f"{module_name}.{attribute}")
+    return module
+
+
 def _lookup():
     """Resolves every private name once; raises ImportError naming a missing one."""
     import keras
     import tensorflow as tf
 
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError as error:  # pragma: no cover - depends on the installation
-        raise _missing("tensorflow.python.ops.control_flow_util", error) from error
-    if not hasattr(control_flow_util, "GraphOrParentsInXlaContext"):  # pragma: no cover
-        raise _missing("control_flow_util.GraphOrParentsInXlaContext")
-    try:
-        from tensorflow.python.framework import config as tf_config
-    except ImportError as error:  # pragma: no cover
-        raise _missing("tensorflow.python.framework.config", error) from error
-    if not hasattr(tf_config, "is_op_determinism_enabled"):  # pragma: no cover
-        raise _missing("tensorflow.python.framework.config.is_op_determinism_enabled")
+    control_flow_util = _require(
+        "tensorflow.python.ops.control_flow_util", "GraphOrParentsInXlaContext"
+    )
+    tf_config = _require("tensorflow.python.framework.config", "is_op_determinism_enabled")
     internal = getattr(getattr(tf, "__internal__", None), "distribute", None)
     if not hasattr(internal, "strategy_supports_no_merge_call"):  # pragma: no cover
         raise _missing("tf.__internal__.distribute.strategy_supports_no_merge_call")
-    try:
-        from keras.src.utils import tracking
-    except ImportError as error:  # pragma: no cover
-        raise _missing("keras.src.utils.tracking", error) from error
-    if not hasattr(tracking, "no_automatic_dependency_tracking"):  # pragma: no cover
-        raise _missing("keras.src.utils.tracking.no_automatic_dependency_tracking")
-    try:
-        from tensorflow.core.framework import summary_pb2
-    except ImportError as error:  # pragma: no cover
-        raise _missing("tensorflow.core.framework.summary_pb2", error) from error
+    tracking = _require("keras.src.utils.tracking", "no_automatic_dependency_tracking")
+    summary_pb2 = _require("tensorflow.core.framework.summary_pb2")
     for name in OPTIMIZER_METHODS:
         if not callable(getattr(keras.optimizers.Optimizer, name, None)):  # pragma: no cover
             raise _missing(f"keras.optimizers.Optimizer.{name}")
