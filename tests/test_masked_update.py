@@ -11,7 +11,6 @@ the branch-free (masked) skip: an optimizer that writes a variable behind the
 masked methods' back falls back to the cond, loudly.
 """
 
-import inspect
 import warnings
 
 import keras
@@ -20,28 +19,11 @@ import pytest
 import tensorflow as tf
 
 import tfdls
+from keras_optimizers import EXPORTED, make_optimizer
 from tfdls import _masked_update
 
 NAN = float("nan")
 SCALE = 2.0**12
-
-EXPORTED = sorted(
-    name
-    for name, obj in vars(keras.optimizers).items()
-    if inspect.isclass(obj)
-    and issubclass(obj, keras.optimizers.Optimizer)
-    and obj not in (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer)
-)
-
-
-def _make(name):
-    if name == "MultiOptimizer":
-        optimizer_map = keras.optimizers.OptimizerMap(keras.optimizers.Adam(1e-2))
-        optimizer_map["b"] = keras.optimizers.SGD(0.1, momentum=0.9)
-        return keras.optimizers.MultiOptimizer(optimizer_map)
-    cls = getattr(keras.optimizers, name)
-    return cls(learning_rate=1e-2)
-
 
 MODES = {
     "eager": (None, "auto"),
@@ -98,9 +80,11 @@ def test_skipped_step_is_bit_identical_and_finite_steps_match_bare(name, mode):
     _, jit_compile = MODES[mode]
     variables, bare_variables = _variables(), _variables()
     opt = tfdls.LossScaleOptimizer(
-        _make(name), tfdls.DynamicLossScale(SCALE, increment_period=1000), jit_compile=jit_compile
+        make_optimizer(name, "b", learning_rate=1e-2),
+        tfdls.DynamicLossScale(SCALE, increment_period=1000),
+        jit_compile=jit_compile,
     )
-    bare = _make(name)
+    bare = make_optimizer(name, "b", learning_rate=1e-2)
     step = _step_fn(lambda g: opt.apply(g, variables), mode)
     bare_step = _step_fn(lambda g: bare.apply(g, bare_variables), mode)
 

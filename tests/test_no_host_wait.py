@@ -17,7 +17,6 @@ strategy synchronizes replicas through `merge_call`, the skip is then a
 `tf.cond` taken in cross-replica context (see `tfdls._distribute`).
 """
 
-import inspect
 
 import keras
 import numpy as np
@@ -26,26 +25,11 @@ import tensorflow as tf
 
 import tfdls
 from fast_loop import slow_except
+from keras_optimizers import EXPORTED, make_optimizer
 
 BRANCH_OPS = {"If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile"}
 HOST_OPS = {"EagerPyFunc", "PyFunc", "PyFuncStateless"}
 SHAPES = [(8, 4), (4,), (4, 2), (2,)]
-
-EXPORTED = sorted(
-    name
-    for name, obj in vars(keras.optimizers).items()
-    if inspect.isclass(obj)
-    and issubclass(obj, keras.optimizers.Optimizer)
-    and obj not in (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer)
-)
-
-
-def _make_inner(name):
-    if name == "MultiOptimizer":
-        optimizer_map = keras.optimizers.OptimizerMap(keras.optimizers.Adam())
-        optimizer_map["v1"] = keras.optimizers.SGD(0.1)
-        return keras.optimizers.MultiOptimizer(optimizer_map)
-    return getattr(keras.optimizers, name)()
 
 
 def _variables():
@@ -57,7 +41,7 @@ def _grads():
 
 
 def _optimizer(kind, inner_name, variables):
-    inner = _make_inner(inner_name)
+    inner = make_optimizer(inner_name, "v1")
     if kind == "bare":
         opt = inner
     elif kind == "keras3":
