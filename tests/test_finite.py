@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tfdls
+from tfdls import finite
 
 FLOAT_DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
 
@@ -244,3 +245,17 @@ def test_huge_finite_tensors_of_every_shape_are_finite(shape, dtype, run_mode):
     values[0], values[-1] = np.inf, -np.inf
     t = tf.constant(values.reshape(shape).astype(dtype.as_numpy_dtype))
     assert bool(run_mode(lambda: tfdls.all_finite(t))().numpy()) is False
+
+
+@pytest.mark.parametrize("variable", finite.FPMATH_VARIABLES)
+@pytest.mark.parametrize(
+    "value, strict", [("", True), ("STRICT", True), ("strict", True), ("ANY", False),
+                      ("BF16", False), ("TF32", False)]
+)
+def test_matvec_check_only_with_strict_float32_matmuls(monkeypatch, variable, value, strict):
+    """oneDNN's ANY, BF16 or TF32 fpmath modes may round a finite value near
+    float32's maximum up to Inf in a matmul: then the check is is_finite."""
+    for name in finite.FPMATH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, value)
+    assert finite.host_only() is strict

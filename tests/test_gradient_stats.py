@@ -255,7 +255,7 @@ def test_xla_on_a_cpu_counts_by_matrix_vector_product(monkeypatch):
     calls = []
     original = gradient_stats._counts_by_matvec
     monkeypatch.setattr(
-        gradient_stats, "_counts_by_matvec", lambda *a: calls.append(a[1]) or original(*a)
+        gradient_stats, "_counts_by_matvec", lambda *a: calls.append(a[2]) or original(*a)
     )
     values = np.zeros((4, 512), "float32")
     values[0, :3] = [2.0**-20, 1.0, 70000.0]
@@ -265,3 +265,20 @@ def test_xla_on_a_cpu_counts_by_matrix_vector_product(monkeypatch):
     tf.function(lambda g: opt.apply([g], [variable]), jit_compile=True)(tf.constant(values))
     assert calls == [512]
     _assert_stats(opt.gradient_stats()["v"], values)
+
+
+@pytest.mark.parametrize("mode", slow_except(["eager", "graph", "xla"], ["xla"]))
+@pytest.mark.parametrize("shape", [(6,), (4, 512)], ids=["small", "matvec"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+def test_values_below_the_dtypes_normal_range_count_as_small_not_zero(mode, shape, dtype):
+    """A float32 1e-40 is a subnormal that XLA and CPU kernels may read as 0:
+    counted on the bits, it is nonzero and below 2**-14."""
+    values = np.zeros(shape, dtype)
+    flat = values.reshape(-1)
+    flat[:4] = [1e-40, -1e-42, np.finfo(dtype).tiny, 1.0]
+    variable = keras.Variable(np.zeros(shape, "float32"), name="v")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.0), gradient_stats=True)
+    _runner(mode, lambda g: opt.apply([g], [variable]))(tf.constant(values))
+    stats = opt.gradient_stats()["v"]
+    assert stats.subnormal_fraction == pytest.approx(3 / values.size)
+    assert stats.zero_fraction == pytest.approx((values.size - 4) / values.size)

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfdls
+from fast_loop import slow_except
 
 NAN = float("nan")
 
@@ -166,3 +167,37 @@ def test_custom_scale_decisions_are_the_same_on_every_replica(mirrored_strategy,
     tf.function(lambda: mirrored_strategy.run(replica_step))()
     for copy in mirrored_strategy.experimental_local_results(w.value):
         np.testing.assert_array_equal(copy.numpy(), [0.0, 0.0])
+
+
+class VetoingLossScale(tfdls.DynamicLossScale):
+    """TF 2.4 style: a DynamicLossScale subclass adding its own skip condition."""
+
+    def __init__(self, *args, limit=2.5, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.limit = limit
+        self.calls = 0
+
+    def update(self, grads):
+        self.calls += 1
+        op, ok = super().update(grads)
+        small = tf.reduce_max(tf.abs(tfdls.finite.gradient_values(grads)[0])) < self.limit
+        return op, tf.logical_and(ok, small)
+
+
+@pytest.mark.parametrize("mode", slow_except(["eager", "function", "xla"], ["function"]))
+def test_a_dynamic_loss_scale_subclass_update_is_honoured(mode):
+    w = keras.Variable(np.zeros(3, "float32"), name="w")
+    ls = VetoingLossScale(1024.0, increment_period=10**6)
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0), ls)
+    step = lambda g: opt.apply([g], [w])  # noqa: E731
+    if mode != "eager":
+        step = tf.function(step, jit_compile=mode == "xla")
+    step(tf.constant([1024.0, 2048.0, -1024.0]))  # unscaled max 2 < 2.5: applied
+    np.testing.assert_array_equal(w.numpy(), [-1.0, -2.0, 1.0])
+    step(tf.constant([1024.0, 2048.0, -3072.0]))  # finite, but the subclass vetoes
+    np.testing.assert_array_equal(w.numpy(), [-1.0, -2.0, 1.0])
+    assert int(opt.iterations.numpy()) == 1
+    assert ls.calls >= 1  # traced once, or called twice eagerly
+    # Its own (super) update saw finite gradients both times: nothing skipped there.
+    assert int(ls.num_skipped_steps.numpy()) == 0
+    assert opt.last_overflow().step == 1  # the vetoed step is recorded as skipped

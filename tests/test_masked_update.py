@@ -163,7 +163,9 @@ def test_an_unknown_write_fails_the_audit_and_falls_back_loudly(monkeypatch):
     inner = SideCounter(0.1)
     with pytest.warns(RuntimeWarning, match=r"could not be shown to skip exactly.*writes a variable"):
         opt, variables, before = _poisoned_run(inner)
-    assert opt.step_plan.skip == "masked"  # planned, then refused by the audit
+    # Planned masked, refused by the audit: the plan says what ran.
+    assert opt.step_plan.skip == "cond"
+    assert "the audit failed" in opt.step_plan.reason and "writes a variable" in opt.step_plan.reason
     assert _bits(variables + inner.variables) == before
     assert int(inner.calls.numpy()) == 2  # the first step only (two variables)
 

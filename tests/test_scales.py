@@ -1,103 +1,193 @@
-"""The applied update is right at every scale a DynamicLossScale can reach.
+"""The applied update is exact at every scale and for every variable dtype.
 
-Scaled gradients are divided by the scale, never multiplied by its
-reciprocal: above 2**126 the reciprocal is subnormal and CPU kernels flush it
-to zero, which used to zero every update. Each test compares the update with
-the bare inner optimizer fed the true gradients.
+"Exact": the inner optimizer receives ``g / scale`` correctly rounded to the
+gradient's dtype, the value a float64 NumPy reference gives, bit for bit:
+
+* at every power-of-two scale in float32's normal range, also above 2**126
+  where the reciprocal is subnormal (it used to zero every update);
+* at scales that are not powers of two (a true division; float16 and
+  bfloat16 gradients divided in float64), fixed ones included (a constant
+  divisor would be rewritten ``g * (1 / c)``);
+* for float16, bfloat16, float32 and float64 variables;
+* in eager, graph (the apply compiled by ``jit_compile="auto"``) and XLA steps.
 """
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tfdls
 from fast_loop import slow_except
 
-LR = 0.25
+LR = 0.25  # a power of two: the SGD update -LR * g is exact
 MODES = ["eager", "function", "xla"]
 
 
-class _Pair:
-    """A tfdls SGD and a bare SGD on equal variables, with traced steps."""
+def _wrap(fn, mode):
+    return fn if mode == "eager" else tf.function(fn, jit_compile=mode == "xla")
 
-    def __init__(self, mode, min_loss_scale=2.0**-126):
-        self.w = keras.Variable(np.zeros(4, "float32"), name="w")
-        self.bare_w = keras.Variable(np.zeros(4, "float32"), name="w")
+
+def _correctly_rounded_quotient(scaled, scale, dtype):
+    """``scaled / scale`` in float64, rounded once to `dtype` (the reference)."""
+    quotient = np.asarray(scaled, np.float64) / np.float64(np.float32(scale))
+    return tf.cast(tf.constant(quotient, tf.float64), dtype).numpy()
+
+
+class _Pair:
+    """A tfdls SGD at a settable scale, and its step on scaled gradients."""
+
+    def __init__(self, mode, powers_of_two, dtype="float32"):
+        self.dtype = tf.as_dtype(dtype)
+        self.w = keras.Variable(np.zeros(4), dtype=dtype, name="w")
+        initial = 1.0 if powers_of_two else 3.0
         self.opt = tfdls.LossScaleOptimizer(
             keras.optimizers.SGD(LR),
-            tfdls.DynamicLossScale(1.0, increment_period=10**9, min_loss_scale=min_loss_scale),
+            tfdls.DynamicLossScale(initial, increment_period=10**9, min_loss_scale=2.0**-126),
         )
-        self.bare = keras.optimizers.SGD(LR)
-        step = lambda g: self.opt.apply([g], [self.w])  # noqa: E731
-        bare_step = lambda g: self.bare.apply([g], [self.bare_w])  # noqa: E731
-        if mode != "eager":
-            step = tf.function(step, jit_compile=mode == "xla")
-            bare_step = tf.function(bare_step, jit_compile=mode == "xla")
-        self.step, self.bare_step = step, bare_step
+        assert self.opt.loss_scale.powers_of_two is powers_of_two
+        self.step = _wrap(lambda g: self.opt.apply([g], [self.w]), mode)
 
-    def run(self, scale, true):
-        """One step at `scale` on scaled `true` gradients; returns both updates."""
+    def run(self, scale, scaled):
+        """One step at `scale` on the `scaled` gradients; returns (update, reference)."""
         self.opt.loss_scale.current_loss_scale.assign(scale)
-        start = np.zeros(4, "float32")  # so that the update is exactly -lr * g
-        self.w.assign(start)
-        self.bare_w.assign(start)
-        scaled = np.asarray(true, np.float64) * scale
-        assert np.all(np.isfinite(scaled.astype(np.float32)))
-        self.step(tf.constant(scaled.astype(np.float32)))
-        self.bare_step(tf.constant(np.asarray(true, np.float32)))
+        self.w.assign(tf.zeros([4], self.dtype))
+        self.step(tf.constant(scaled, self.dtype))
         assert int(self.opt.loss_scale.num_skipped_steps.numpy()) == 0
-        return self.w.numpy() - start, self.bare_w.numpy() - start
+        reference = -LR * _correctly_rounded_quotient(
+            tf.constant(scaled, self.dtype).numpy(), scale, self.dtype
+        ).astype(np.float64)
+        return keras.ops.convert_to_numpy(self.w), tf.cast(reference, self.dtype).numpy()
 
 
 _PAIRS = {}
 
 
-def _pair(mode):
-    if mode not in _PAIRS:
-        _PAIRS[mode] = _Pair(mode)
-    return _PAIRS[mode]
+def _pair(mode, powers_of_two, dtype="float32"):
+    key = (mode, powers_of_two, dtype)
+    if key not in _PAIRS:
+        _PAIRS[key] = _Pair(mode, powers_of_two, dtype)
+    return _PAIRS[key]
+
+
+def _bits(array):
+    return np.asarray(array).tobytes()
 
 
 @st.composite
-def _scale_and_gradients(draw):
+def _power_of_two_case(draw):
     # A power-of-two scale anywhere in float32's normal range, and true
     # gradients whose scaled values are normal floats too (what loss scaling
-    # is for), so that dividing back is exact.
+    # is for).
     k = draw(st.integers(-126, 127))
     low, high = max(-60, -100 - k), min(60, 100 - k)
     exponents = draw(st.lists(st.integers(low, high), min_size=4, max_size=4))
     mantissas = draw(st.lists(st.floats(1.0, 2.0, exclude_max=True), min_size=4, max_size=4))
     signs = draw(st.lists(st.sampled_from([-1.0, 1.0]), min_size=4, max_size=4))
-    true = [np.float32(s * m * 2.0**e) for s, m, e in zip(signs, mantissas, exponents)]
-    return 2.0**k, true
+    true = [s * m * 2.0**e for s, m, e in zip(signs, mantissas, exponents)]
+    scale = np.float32(2.0**k)
+    return scale, (np.asarray(np.float32(true), np.float64) * scale).astype(np.float32)
 
 
 @pytest.mark.parametrize("mode", slow_except(MODES, ["xla"]))
 @settings(max_examples=60, deadline=None)
-@given(case=_scale_and_gradients())
-def test_power_of_two_scales_give_the_bare_update_bit_for_bit(mode, case):
-    scale, true = case
-    mine, bare = _pair(mode).run(np.float32(scale), true)
-    np.testing.assert_array_equal(mine, bare)
+@given(case=_power_of_two_case())
+def test_power_of_two_scales_are_exact(mode, case):
+    scale, scaled = case
+    mine, reference = _pair(mode, True).run(scale, scaled)
+    assert _bits(mine) == _bits(reference)
+
+
+def _normal_float32(values):
+    magnitude = np.abs(np.asarray(values, np.float64))
+    return bool(np.all((magnitude >= np.finfo(np.float32).tiny) & (magnitude <= 3e38)))
+
+
+@st.composite
+def _any_scale_case(draw):
+    scale = np.float32(draw(st.floats(2.0**-126, 2.0**127.9, allow_nan=False)))
+    # Scaled gradients anywhere in float32's normal range whose quotients are
+    # normal too (what loss scaling is for).
+    exponents = draw(st.lists(st.integers(-100, 100), min_size=4, max_size=4))
+    mantissas = draw(st.lists(st.floats(1.0, 2.0, exclude_max=True), min_size=4, max_size=4))
+    signs = draw(st.lists(st.sampled_from([-1.0, 1.0]), min_size=4, max_size=4))
+    quotients = [s * m * 2.0**e for s, m, e in zip(signs, mantissas, exponents)]
+    with np.errstate(over="ignore"):
+        scaled = (np.asarray(quotients) * np.float64(scale)).astype(np.float32)
+    assume(_normal_float32(scaled))
+    assume(_normal_float32(scaled.astype(np.float64) / np.float64(scale)))
+    return scale, scaled
 
 
 @pytest.mark.parametrize("mode", slow_except(MODES, ["function"]))
-@settings(max_examples=30, deadline=None)
-@given(
-    scale=st.floats(2.0**-126, 2.0**127.9, allow_nan=False),
-    true=st.lists(st.floats(-4.0, 4.0).filter(lambda v: abs(v) > 1e-3), min_size=4, max_size=4),
+@settings(max_examples=40, deadline=None)
+@given(case=_any_scale_case())
+def test_any_scale_is_exact(mode, case):
+    scale, scaled = case
+    mine, reference = _pair(mode, False).run(scale, scaled)
+    assert _bits(mine) == _bits(reference), (mine, reference)
+
+
+@pytest.mark.parametrize(
+    "dtype, mode",
+    slow_except(
+        [(d, m) for d in ("float16", "bfloat16", "float32", "float64") for m in MODES],
+        [("float16", "function"), ("float64", "xla"), ("bfloat16", "eager")],
+    ),
 )
-def test_any_scale_gives_the_bare_update_within_rounding(mode, scale, true):
-    scale = np.float32(scale)
-    scaled = (np.asarray(true, np.float64) * scale).astype(np.float32)
-    if not np.all(np.isfinite(scaled)) or np.any(np.abs(scaled) < np.finfo(np.float32).tiny):
-        return  # the scaled gradient itself is out of float32's normal range
-    mine, bare = _pair(mode).run(scale, true)
-    # Scaling rounds once and dividing once: two float32 roundings.
-    np.testing.assert_allclose(mine, bare, rtol=3e-7, atol=1e-30)
+@pytest.mark.parametrize("powers_of_two", [True, False])
+def test_every_variable_dtype_is_exact(dtype, mode, powers_of_two):
+    pair = _pair(mode, powers_of_two, dtype)
+    rng = np.random.default_rng(7)
+    for scale in (np.float32(2.0**10), np.float32(1000.0), np.float32(3.0), np.float32(2.0**-3)):
+        if powers_of_two and scale not in (2.0**10, 2.0**-3):
+            continue
+        # Scaled values representable in every dtype, quotients normal.
+        scaled = (rng.uniform(0.5, 6000.0, size=4) * rng.choice([-1.0, 1.0], 4)).astype(dtype)
+        mine, reference = pair.run(scale, scaled)
+        assert _bits(mine) == _bits(reference), (dtype, scale, mine, reference)
+
+
+@pytest.mark.parametrize("style", ["keras3", "tf_keras"])
+@pytest.mark.parametrize("mode", slow_except(["function", "xla"], ["xla"]))
+@pytest.mark.parametrize("value", [2.0**127, 1000.0, 3.0, 2.0**-126])
+def test_fixed_scales_are_exact(mode, value, style):
+    w = keras.Variable(np.zeros(4, "float32"), name="w")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(LR), tfdls.FixedLossScale(value))
+    scaled = np.float32([1.0, 1.5, -1.25, 1.75]) * np.float32(min(value, 2.0**100))
+
+    def step(g):
+        if style == "tf_keras":
+            opt.apply(opt.get_unscaled_gradients([g]), [w])
+        else:
+            opt.apply([g], [w])
+
+    _wrap(step, mode)(tf.constant(scaled))
+    reference = (-LR * _correctly_rounded_quotient(scaled, value, tf.float32)).astype(np.float32)
+    assert _bits(w.numpy()) == _bits(reference), (w.numpy(), reference)
+    assert np.all(w.numpy() != 0)
+
+
+@pytest.mark.parametrize("mode", slow_except(MODES, ["function"]))
+def test_a_power_of_two_scale_restored_with_another_value_stays_exact(mode):
+    """A checkpoint of a differently configured scale can write any value into a
+    power-of-two scale's variable: the power of two below it is used, to scale
+    the loss and to divide the gradients alike."""
+    w = keras.Variable(np.zeros(3, "float32"), name="w")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0))
+    opt.loss_scale.current_loss_scale.assign(1000.0)  # as a restore would
+    assert float(opt.loss_scale().numpy()) == 512.0
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = opt.scale_loss(tf.reduce_sum(w * tf.constant([1.0, 1.0 / 3.0, -3.0])))
+        opt.apply(tape.gradient(loss, [w]), [w])
+
+    _wrap(step, mode)()
+    reference = -np.float32([1.0, 1.0 / 3.0, -3.0])
+    assert _bits(w.numpy()) == _bits(reference)
 
 
 @pytest.mark.parametrize("mode", slow_except(MODES, ["xla"]))
@@ -111,8 +201,7 @@ def test_growth_to_the_cap_keeps_training(mode):
     def step():
         opt.apply([tf.constant([1.0, -0.5]) * opt.loss_scale()], [w])
 
-    if mode != "eager":
-        step = tf.function(step, jit_compile=mode == "xla")
+    step = _wrap(step, mode)
     scales = []
     for _ in range(4):
         step()

@@ -118,7 +118,6 @@ def test_check_reads_scaled_gradients_only_while_the_scale_stays_at_least_one():
     )
     assert _plan_of(default, variables).check == "scaled"
     assert _plan_of(below_one, variables).check == "unscaled"
-    assert _plan_of(default, variables).unscale == "explicit"
     assert _plan_of(default, variables).divide == (True, True)
 
 

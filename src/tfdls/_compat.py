@@ -100,6 +100,9 @@ def _lookup():
         "tensorflow.python.ops.control_flow_util", "GraphOrParentsInXlaContext"
     )
     tf_config = _require("tensorflow.python.framework.config", "is_op_determinism_enabled")
+    func_graphs = _require(
+        "tensorflow.python.ops.control_flow_v2_func_graphs", "CondBranchFuncGraph"
+    )
     internal = getattr(getattr(tf, "__internal__", None), "distribute", None)
     if not hasattr(internal, "strategy_supports_no_merge_call"):  # pragma: no cover
         raise _missing("tf.__internal__.distribute.strategy_supports_no_merge_call")
@@ -108,7 +111,7 @@ def _lookup():
     for name in OPTIMIZER_METHODS:
         if not callable(getattr(keras.optimizers.Optimizer, name, None)):  # pragma: no cover
             raise _missing(f"keras.optimizers.Optimizer.{name}")
-    return control_flow_util, tf_config, internal, tracking, summary_pb2
+    return control_flow_util, tf_config, func_graphs, internal, tracking, summary_pb2
 
 
 # Private members of keras.optimizers.Optimizer that tfdls' subclass uses,
@@ -131,6 +134,7 @@ check_versions()
 (
     _control_flow_util,
     _tf_config,
+    _func_graphs,
     _internal_distribute,
     _tracking,
     summary_pb2,
@@ -144,6 +148,11 @@ def in_xla_context():
     import tensorflow as tf
 
     return _control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def is_cond_branch(graph):
+    """True for the graph of a `tf.cond` branch (runs at most once per call of its parent)."""
+    return isinstance(graph, _func_graphs.CondBranchFuncGraph)
 
 
 def op_determinism_enabled():

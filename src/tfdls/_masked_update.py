@@ -216,7 +216,9 @@ def apply(inner_optimizer, grads, trainable_variables, should_apply):
                 variable, before = handles[key]
                 variable.assign(tf.where(should_apply, tf.convert_to_tensor(variable), before))
 
-    update = tf.function(masked_update).get_concrete_function(
+    # No AutoGraph: the update is Keras code and tfdls code without tensor-
+    # dependent Python control flow.
+    update = tf.function(masked_update, autograph=False).get_concrete_function(
         should_apply, [grads[i] for i in present]
     )
     audit = outcome["audit"]

@@ -6,19 +6,17 @@ frozen `StepPlan`; `LossScaleOptimizer.apply` then executes it. Every fast
 path is chosen here, only where it is known to be exact, and the plan says
 why a path was not taken.
 
-`UnscaledMarks` remembers what `get_unscaled_gradients` returned, so that
-`apply` divides every gradient by the scale exactly once.
+Which gradients are divided by the scale is not decided here but when the
+step runs (see `tfdls._unscaling`); the plan says how they are divided.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
-import weakref
 
 import tensorflow as tf
 
-from tfdls import _compat, _distribute, _masked_update
+from tfdls import _compat, _distribute, _division, _masked_update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +24,17 @@ class StepPlan:
     """The decisions of one traced `apply`.
 
     Attributes:
-        divide: per gradient, whether `apply` divides it by the scale (False:
-            it came from `get_unscaled_gradients`, or its variable takes the
-            gradient as a value, `overwrite_with_gradient`).
+        divide: per gradient, whether `apply` divides it by the step's
+            divisor: the scale, or 1 where `get_unscaled_gradients` already
+            divided this step's gradients (decided when the step runs, see
+            `tfdls._unscaling`). False for a missing gradient and for a
+            variable that takes its gradient as a value
+            (`overwrite_with_gradient`).
+        division: how it divides, exactly: ``"factors"`` (inside XLA, a
+            multiplication by powers of two, for a scale that only takes
+            powers of two), ``"divide"`` (a true division, in float32 for
+            float16 and bfloat16 gradients) or ``"divide_in_float64"`` (a
+            scale that may not be a power of two; see `tfdls._division`).
         check: ``"scaled"``: the finiteness check reads the gradients as
             given (while the scale cannot fall below 1, dividing by it cannot
             turn a finite value non-finite, and under XLA the division then
@@ -56,17 +62,11 @@ class StepPlan:
     """
 
     divide: tuple[bool, ...]
+    division: str
     check: str
     skip: str
     compile: bool
     reason: str = ""
-
-    @property
-    def unscale(self) -> str:
-        """``"explicit"``, ``"already"`` or ``"mixed"``: a summary of `divide`."""
-        if all(self.divide):
-            return "explicit"
-        return "mixed" if any(self.divide) else "already"
 
 
 def plan_step(
@@ -74,11 +74,11 @@ def plan_step(
     trainable_variables,
     inner_optimizer,
     jit_compile,
-    already_unscaled,
     *,
     fixed_scale,
     dynamic_scale,
     min_scale,
+    power_of_two_scale,
 ):
     """Decides how this `apply` runs; see `StepPlan`.
 
@@ -87,17 +87,15 @@ def plan_step(
         trainable_variables: their variables.
         inner_optimizer: the wrapped Keras optimizer.
         jit_compile: the optimizer's ``jit_compile`` setting.
-        already_unscaled: per gradient, whether it came from
-            `get_unscaled_gradients` (see `UnscaledMarks`).
         fixed_scale: the scale never changes and every step is applied.
         dynamic_scale: a `DynamicLossScale` (compiling the apply pays off).
         min_scale: the smallest scale `loss_scale` can take (None: unknown).
+        power_of_two_scale: every value the scale can take is a power of two
+            (see `tfdls._division.scale_is_power_of_two`).
     """
     divide = tuple(
-        g is not None
-        and not unscaled
-        and not getattr(v, "overwrite_with_gradient", False)
-        for g, v, unscaled in zip(grads, trainable_variables, already_unscaled)
+        g is not None and not getattr(v, "overwrite_with_gradient", False)
+        for g, v in zip(grads, trainable_variables)
     )
     check = "scaled" if min_scale is not None and min_scale >= 1 else "unscaled"
 
@@ -151,158 +149,10 @@ def plan_step(
         if not compile_apply:
             reasons.append("jit_compile='auto' compiles only a masked (branch-free) update")
     return StepPlan(
-        divide=divide, check=check, skip=skip, compile=compile_apply, reason="; ".join(reasons)
+        divide=divide,
+        division=_division.method(power_of_two_scale, in_xla or compile_apply),
+        check=check,
+        skip=skip,
+        compile=compile_apply,
+        reason="; ".join(reasons),
     )
-
-
-class UnscaledMarks:
-    """Which gradients `get_unscaled_gradients` has already divided by the scale.
-
-    The rule: `apply` divides a gradient by the scale unless it was returned by
-    `get_unscaled_gradients` in the same step, or (inside a `tf.function`)
-    computed from such a gradient. So a mark never outlives its step: in a
-    traced function it belongs to that function's graph, and in eager mode it
-    lasts until the next `apply` of the thread (which clears it, also when it
-    raises). Eager gradients that are neither the marked tensors nor the
-    tensors `get_unscaled_gradients` was given cannot be classified while a
-    mark is pending: `apply` raises a ValueError then.
-    """
-
-    def __init__(self):
-        self._graph_marks = weakref.WeakKeyDictionary()  # graph -> {tensor key}
-        self._eager = threading.local()  # .outputs/.inputs: lists of tensors
-
-    def mark(self, inputs, outputs):
-        """Records that `outputs` are `inputs` divided by the scale."""
-        inputs = [_values(g) for g in inputs if g is not None]
-        outputs = [_values(g) for g in outputs if g is not None]
-        if tf.executing_eagerly():
-            self._eager.inputs = getattr(self._eager, "inputs", []) + inputs
-            self._eager.outputs = getattr(self._eager, "outputs", []) + outputs
-            return
-        graph = tf.compat.v1.get_default_graph()
-        self._graph_marks.setdefault(graph, set()).update(_key(t) for t in outputs)
-
-    def clear(self):
-        """Forgets this thread's eager marks (called by every `apply`)."""
-        self._eager.inputs = []
-        self._eager.outputs = []
-
-    def classify(self, grads):
-        """Per gradient: True if it is (computed from) a `get_unscaled_gradients` output."""
-        if tf.executing_eagerly():
-            return self._classify_eager(grads)
-        return self._classify_traced(grads)
-
-    def _classify_eager(self, grads):
-        outputs = getattr(self._eager, "outputs", [])
-        if not outputs:
-            return tuple(False for _ in grads)
-        inputs = getattr(self._eager, "inputs", [])
-        result = []
-        for grad in grads:
-            if grad is None:
-                result.append(False)
-                continue
-            value = _values(grad)
-            if any(value is t for t in outputs):
-                result.append(True)
-            elif any(value is t for t in inputs):
-                result.append(False)
-            else:
-                raise ValueError(
-                    "tfdls: get_unscaled_gradients() was called since the last apply() in "
-                    "this thread, but apply() received a gradient that is neither one it "
-                    "returned nor one it was given, so tfdls cannot tell whether to divide "
-                    "it by the loss scale. In eager mode pass the tensors "
-                    "get_unscaled_gradients() returned unchanged, or pass the scaled "
-                    "gradients to apply() (Keras 3 style) and set clipnorm/global_clipnorm "
-                    "on the inner optimizer, which then sees unscaled gradients."
-                )
-        return tuple(result)
-
-    def _classify_traced(self, grads):
-        graph = tf.compat.v1.get_default_graph()
-        if not any(self._graph_marks.get(g) for g in _graph_chain(graph)):
-            return tuple(False for _ in grads)
-        closures = {}
-
-        def derived_keys(g):
-            # Everything computed from a marked tensor of graph `g`.
-            if g not in closures:
-                closures[g] = _forward_closure(g, self._graph_marks.get(g, ()))
-            return closures[g]
-
-        return tuple(
-            grad is not None and self._derived(_values(grad), derived_keys) for grad in grads
-        )
-
-    def _derived(self, tensor, derived_keys):
-        # A tensor of an enclosing function (not yet captured) is looked up there.
-        graph = tensor.graph
-        if _key(tensor) in derived_keys(graph):
-            return True
-        outer = getattr(graph, "outer_graph", None)
-        if outer is None or not any(self._graph_marks.get(g) for g in _graph_chain(outer)):
-            return False
-        # Marks in an enclosing function: follow this function's captured
-        # inputs out to it. A function argument cannot be followed.
-        captured = {_key(internal): external for external, internal in graph.captures}
-        for placeholder in _float_placeholders(tensor):
-            external = captured.get(_key(placeholder))
-            if external is None:
-                raise ValueError(
-                    "tfdls: apply() received gradients through the arguments of a "
-                    "nested tf.function while get_unscaled_gradients() was used in an "
-                    "enclosing one, so tfdls cannot tell whether to divide them by the "
-                    "loss scale. Call get_unscaled_gradients() in the same function "
-                    "as apply(), or pass the scaled gradients to apply()."
-                )
-            if self._derived(external, derived_keys):
-                return True
-        return False
-
-
-def _values(grad):
-    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
-
-
-def _key(tensor):
-    return (tensor.op.name, tensor.value_index)
-
-
-def _graph_chain(graph):
-    while graph is not None:
-        yield graph
-        graph = getattr(graph, "outer_graph", None)
-
-
-def _forward_closure(graph, keys):
-    """The keys of every tensor of `graph` computed from the tensors `keys`."""
-    closure = set()
-    stack = [graph.get_tensor_by_name(f"{name}:{index}") for name, index in keys]
-    while stack:
-        tensor = stack.pop()
-        key = _key(tensor)
-        if key in closure:
-            continue
-        closure.add(key)
-        for op in tensor.consumers():
-            stack.extend(op.outputs)
-    return closure
-
-
-def _float_placeholders(tensor):
-    """The floating-point placeholders (function inputs) `tensor` is computed from."""
-    found, seen, stack = [], set(), [tensor]
-    while stack:
-        t = stack.pop()
-        if _key(t) in seen:
-            continue
-        seen.add(_key(t))
-        if t.op.type == "Placeholder":
-            if t.dtype.is_floating:
-                found.append(t)
-            continue
-        stack.extend(t.op.inputs)
-    return found

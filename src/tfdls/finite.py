@@ -17,7 +17,8 @@ Per gradient it uses one of two exact reductions:
   products are plain IEEE arithmetic, and XLA's CPU backend runs them as a
   vectorized, multi-threaded GEMV, where it emits a fused ``is_finite``
   reduction as a slower scalar loop (measured: about half the time on 24
-  1024x1024 gradients). Accelerators may round matmul inputs (TF32, bfloat16
+  1024x1024 gradients). Accelerators (and CPUs whose oneDNN is allowed a
+  lower-precision "fpmath mode") may round matmul inputs (TF32, bfloat16
   passes), which could turn a value within a few ulp of the float32 maximum
   into Inf, so they always take the first form.
 """
@@ -65,12 +66,19 @@ def _check_floating(values):
             )
 
 
+# Environment variables that let oneDNN compute float32 matmuls with less
+# precision (bfloat16, TF32 passes); unset or STRICT keeps IEEE float32.
+# oneDNN documents ANY as allowing any down-conversion.
+FPMATH_VARIABLES = ("ONEDNN_DEFAULT_FPMATH_MODE", "TF_SET_ONEDNN_FPMATH_MODE")
+
+
 def host_only() -> bool:
-    """True when no accelerator can run the check (so matmuls are IEEE float32)."""
+    """True when no accelerator can run the check and float32 matmuls are strict IEEE."""
     if tf.config.list_physical_devices("GPU") or tf.config.list_physical_devices("TPU"):
         return False
-    # oneDNN can be told to compute float32 matmuls in bfloat16.
-    return os.environ.get("ONEDNN_DEFAULT_FPMATH_MODE", "").upper() in ("", "STRICT", "ANY")
+    return all(
+        os.environ.get(name, "").strip().upper() in ("", "STRICT") for name in FPMATH_VARIABLES
+    )
 
 
 def matvec_width(value: tf.Tensor, in_xla: bool, max_width: int = 4096) -> int | None:

@@ -13,6 +13,10 @@ on the device and per variable, from the scaled gradients:
 * ``subnormal_fraction``: the fraction that are nonzero but below 2**-14 in
   magnitude (float16's subnormal range).
 
+Zeros and small values are counted on the bits, so a float32 value below
+float32's own normal range (which XLA and CPU kernels may treat as zero)
+counts as small, not as zero.
+
 Under a `tf.distribute` strategy each figure is the worst replica's (the
 smallest headroom, the largest fractions). Skipped steps leave the last
 finite step's figures. For sparse gradients the figures cover the rows
@@ -56,48 +60,80 @@ class GradientStats:
     subnormal_fraction: float
 
 
-def tensor_stats(values):
-    """In-step: a [3, len(values)] float32 tensor of the figures of each tensor.
+def tensor_stats(values, factors=None):
+    """In-step: a [3, len(values)] float32 tensor of the figures of each scaled tensor.
 
     Args:
-        values: dense scaled gradient tensors (any float dtype).
+        values: dense gradient tensors (any float dtype).
+        factors: per value, a float32 scalar by which it is multiplied to give
+            the scaled gradient (the scale, for gradients that came already
+            divided by it), or None for 1. The figures are computed from the
+            values and the factor, so no element is multiplied (a
+            multiplication by 1 would flush subnormals to zero).
 
     Rows: headroom bits, zero fraction, subnormal fraction. Branch-free.
     """
     columns = []
     in_xla = _compat.in_xla_context()
     on_host = finite.host_only()
-    for value in values:
+    factors = [None] * len(values) if factors is None else factors
+    for value, factor in zip(values, factors):
         size = max(int(value.shape.num_elements() or 0), 1)
+        if value.dtype in (tf.float16, tf.bfloat16):
+            value = tf.cast(value, tf.float32)  # exact, also for their subnormals
+        # |scaled| < 2**-14 is |value| < 2**-14 / factor.
+        threshold = tf.constant(FLOAT16_MIN_NORMAL, value.dtype)
+        if factor is not None:
+            threshold = threshold / tf.cast(factor, value.dtype)
         width = finite.matvec_width(value, in_xla, _COUNT_MAX_WIDTH) if in_xla and on_host else None
         if width is not None:
-            zeros, subnormals = _counts_by_matvec(value, width)
-        elif value.dtype == tf.float16:
-            zeros, subnormals = _float16_counts(value)
-            value = tf.cast(value, tf.float32)
+            zeros, subnormals = _counts_by_matvec(value, threshold, width)
         else:
-            if value.dtype == tf.bfloat16:
-                value = tf.cast(value, tf.float32)
-            magnitude = tf.abs(value)
-            zeros = tf.reduce_sum(tf.cast(tf.equal(magnitude, 0), tf.float32))
-            small = tf.logical_and(magnitude > 0, magnitude < FLOAT16_MIN_NORMAL)
+            zero, small = _zero_and_small(value, threshold)
+            zeros = tf.reduce_sum(tf.cast(zero, tf.float32))
             subnormals = tf.reduce_sum(tf.cast(small, tf.float32))
         # max(max, -min) rather than max(abs): plain reductions, which XLA's
         # CPU backend runs several times faster. Only finite steps are kept.
         largest = tf.cast(
             tf.maximum(tf.reduce_max(value), -tf.reduce_min(value)), tf.float64
         )
+        if factor is not None:
+            largest = largest * tf.cast(factor, tf.float64)
         # log2(0) = -inf, so an all-zero gradient has infinite headroom.
         headroom = _LOG2_FLOAT16_MAX - tf.math.log(largest) / math.log(2.0)
         columns.append(tf.stack([tf.cast(headroom, tf.float32), zeros / size, subnormals / size]))
     return tf.stack(columns, axis=1)
 
 
+# Per float dtype compared: the integer type of its bits and the mask of
+# all bits but the sign.
+_BITS = {
+    tf.float32: (tf.int32, 0x7FFFFFFF),
+    tf.float64: (tf.int64, 0x7FFFFFFFFFFFFFFF),
+}
+
+
+def _zero_and_small(value, threshold):
+    """Elementwise: exactly zero, and nonzero below `threshold` in magnitude, on the bits.
+
+    Float comparisons are not reliable for subnormals: CPU kernels and XLA
+    may treat them as zero (denormals-are-zero), so a float32 value of 1e-40
+    would count as zero. The bits of a magnitude order like the magnitude.
+    """
+    int_dtype, magnitude_mask = _BITS[value.dtype]
+    mask = tf.constant(magnitude_mask, int_dtype)
+    magnitude = tf.bitwise.bitwise_and(tf.bitcast(value, int_dtype), mask)
+    limit = tf.bitwise.bitwise_and(tf.bitcast(threshold, int_dtype), mask)
+    zero = tf.equal(magnitude, 0)
+    small = tf.logical_and(magnitude > 0, magnitude < limit)
+    return zero, small
+
+
 # Codes summed per row must stay exact float32 integers: width * (4096 + 1) < 2**24.
 _COUNT_MAX_WIDTH = 2048
 
 
-def _counts_by_matvec(value, width):
+def _counts_by_matvec(value, threshold, width):
     """Zero and subnormal counts of a float32/float64 tensor, for XLA on a CPU.
 
     XLA's CPU backend runs a fused count as a scalar loop; an elementwise code
@@ -105,26 +141,12 @@ def _counts_by_matvec(value, width):
     product with ones is several times faster, and exact: every row sum is an
     integer below 2**24, and a row has fewer than 4096 zeros.
     """
-    magnitude = tf.abs(value)
-    small = tf.logical_and(magnitude > 0, magnitude < FLOAT16_MIN_NORMAL)
-    code = tf.cast(tf.equal(magnitude, 0), value.dtype) + 4096.0 * tf.cast(small, value.dtype)
+    zero, small = _zero_and_small(value, threshold)
+    code = tf.cast(zero, value.dtype) + 4096.0 * tf.cast(small, value.dtype)
     rows = tf.linalg.matvec(tf.reshape(code, [-1, width]), tf.ones([width], value.dtype))
     subnormal_rows = tf.floor(rows / 4096.0)
     zeros = tf.reduce_sum(rows - 4096.0 * subnormal_rows)
     return tf.cast(zeros, tf.float32), tf.cast(tf.reduce_sum(subnormal_rows), tf.float32)
-
-
-def _float16_counts(value):
-    """Zero and subnormal elements of a float16 tensor, counted on its bits.
-
-    Float comparisons are not reliable for float16 subnormals: some CPU
-    kernels (XLA's in TensorFlow 2.16, for one) treat them as zero.
-    """
-    magnitude_bits = tf.bitwise.bitwise_and(tf.bitcast(value, tf.int16), 0x7FFF)
-    zeros = tf.reduce_sum(tf.cast(tf.equal(magnitude_bits, 0), tf.float32))
-    # Exponent bits all zero, mantissa not: below 2**-14 (bit pattern 0x0400).
-    small = tf.logical_and(magnitude_bits > 0, magnitude_bits < 0x0400)
-    return zeros, tf.reduce_sum(tf.cast(small, tf.float32))
 
 
 def worst_over_replicas(stats):
@@ -141,14 +163,18 @@ def worst_over_replicas(stats):
     )
 
 
-class GradientStatsRecord:
+class GradientStatsRecord(tf.Module):
     """The device-side figures of every variable, and their host-side reader.
+
+    Diagnostics, tracked but not among the optimizer's `variables` (see
+    `tfdls.overflow.OverflowRecord`).
 
     Args:
         variable_names: the paths of the variables the optimizer was built with.
     """
 
     def __init__(self, variable_names):
+        super().__init__(name="gradient_stats_record")
         self.variable_names = tuple(variable_names)
         self.figures = state_variable(
             "gradient_stats", np.full([3, len(self.variable_names)], np.nan, np.float32),

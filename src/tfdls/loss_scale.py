@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tfdls import finite
 from tfdls._distribute import state_variable
+from tfdls._division import is_power_of_two
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Smallest normal float32: TensorFlow's CPU kernels flush subnormals to zero,
@@ -42,6 +43,25 @@ def _check_scale(name, value, allow_none=False):
             f"{_FLOAT32_MAX!r}); got {name}={value!r}"
         )
     return value
+
+
+def _floor_to_power_of_two(value):
+    """The largest power of two <= `value`, a positive normal float32: its exponent bits."""
+    bits = tf.bitcast(value, tf.int32)
+    sign_and_exponent = tf.constant(-(1 << 23), tf.int32)  # 0xFF800000
+    return tf.bitcast(tf.bitwise.bitwise_and(bits, sign_and_exponent), tf.float32)
+
+
+def _read_scale(variable, powers_of_two):
+    """A scale variable's value; a power of two when the scale only takes powers of two.
+
+    Such a scale's variable holds a power of two unless something else wrote
+    it (a checkpoint of a differently configured scale, an assignment): the
+    power of two below is what scales the loss and divides the gradients
+    then, so dividing by a power of two, exactly, stays right.
+    """
+    value = tf.convert_to_tensor(variable)
+    return _floor_to_power_of_two(value) if powers_of_two else value
 
 
 def _check_int(name, value, minimum):
@@ -115,6 +135,12 @@ class LossScale(tf.Module, metaclass=abc.ABCMeta):
 class FixedLossScale(LossScale):
     """A loss scale that never changes; every step's gradients are applied.
 
+    The value is kept in a non-trainable variable, `current_loss_scale`, as
+    a `DynamicLossScale` keeps its own: a constant divisor would let
+    TensorFlow's and XLA's compilers rewrite ``g / c`` as ``g * (1 / c)``,
+    which is not correctly rounded (and zero above 2**126, where ``1 / c``
+    is subnormal). Checkpoints carry it like any variable.
+
     Args:
         loss_scale_value: the constant scale, a positive finite number.
 
@@ -130,13 +156,23 @@ class FixedLossScale(LossScale):
     def __init__(self, loss_scale_value: float, name: str | None = None):
         super().__init__(name=name)
         self._loss_scale_value = _check_scale("loss_scale_value", loss_scale_value)
+        self._powers_of_two = is_power_of_two(self._loss_scale_value)
+        with self.name_scope:
+            self.current_loss_scale = state_variable(
+                "current_loss_scale", self._loss_scale_value, tf.float32
+            )
 
     @property
     def loss_scale_value(self) -> float:
         return self._loss_scale_value
 
+    @property
+    def powers_of_two(self) -> bool:
+        """True if the value is a power of two (dividing by it is a multiplication)."""
+        return self._powers_of_two
+
     def __call__(self) -> tf.Tensor:
-        return tf.constant(self._loss_scale_value, dtype=tf.float32)
+        return _read_scale(self.current_loss_scale, self._powers_of_two)
 
     def update(self, grads: Any) -> tuple[Any, bool]:
         del grads
@@ -177,6 +213,13 @@ class DynamicLossScale(LossScale):
     TensorFlow 2.4 ``tf.mixed_precision.experimental.DynamicLossScale``. The
     scale can never become 0, inf or NaN: it stays within
     ``[min_loss_scale, max_loss_scale]``.
+
+    When the initial scale, multiplier, bounds and backoff factor are all
+    powers of two (the defaults are), every scale the algorithm reaches is
+    one too (`powers_of_two`), and the scale in use is always a power of two:
+    a value written into ``current_loss_scale`` from elsewhere (a checkpoint
+    of a differently configured scale) is read as the power of two below it.
+    Dividing gradients by the scale is then an exact multiplication.
 
     Two counters are kept for monitoring (they do not affect the algorithm):
     ``num_skipped_steps`` (total steps with non-finite gradients) and
@@ -247,6 +290,16 @@ class DynamicLossScale(LossScale):
                 f"got max_loss_scale={max_loss_scale!r}"
             )
         self._hysteresis = _check_int("hysteresis", hysteresis, 1)
+        self._powers_of_two = all(
+            v is None or is_power_of_two(v)
+            for v in (
+                self._initial_loss_scale,
+                self._multiplier,
+                self._backoff_factor,
+                self._min_loss_scale,
+                self._max_loss_scale,
+            )
+        )
         if self._initial_loss_scale < self._min_loss_scale:
             raise ValueError(
                 f"`initial_loss_scale` must be >= min_loss_scale={self._min_loss_scale}; "
@@ -283,6 +336,11 @@ class DynamicLossScale(LossScale):
     hysteresis = property(lambda self: self._hysteresis)
 
     @property
+    def powers_of_two(self) -> bool:
+        """True if every scale this can reach is a power of two (see the class docstring)."""
+        return self._powers_of_two
+
+    @property
     def num_skipped_steps(self) -> tf.Tensor:
         """Total number of steps skipped for non-finite gradients (int64 tensor)."""
         return tf.convert_to_tensor(self.num_skipped_steps_variable)
@@ -293,7 +351,7 @@ class DynamicLossScale(LossScale):
         return tf.convert_to_tensor(self.steps_since_overflow_variable)
 
     def __call__(self) -> tf.Tensor:
-        return tf.convert_to_tensor(self.current_loss_scale)
+        return _read_scale(self.current_loss_scale, self._powers_of_two)
 
     def update(self, grads: Any) -> tuple[Any, tf.Tensor]:
         is_finite = finite.all_finite(grads, across_replicas=True)
@@ -306,7 +364,7 @@ class DynamicLossScale(LossScale):
         selected with `tf.where`, so there is no `tf.cond` (cheap under XLA,
         and safe to run in replica context under any strategy).
         """
-        s = tf.convert_to_tensor(self.current_loss_scale)
+        s = _read_scale(self.current_loss_scale, self._powers_of_two)
         g = tf.convert_to_tensor(self.num_good_steps)
         h = tf.convert_to_tensor(self.hysteresis_budget)
         multiplier = tf.constant(self._multiplier, tf.float32)
@@ -369,6 +427,21 @@ class DynamicLossScale(LossScale):
         if tf.executing_eagerly():
             args = f"current_loss_scale={float(self.current_loss_scale.numpy())}, " + args
         return f"DynamicLossScale({args})"
+
+
+def has_custom_update(loss_scale: LossScale) -> bool:
+    """True unless `loss_scale` is a `DynamicLossScale` with the built-in `update`.
+
+    `LossScaleOptimizer` drives a built-in dynamic scale through
+    `update_from_decision` (the finiteness check is shared with overflow
+    attribution); any other scale, including a `DynamicLossScale` subclass
+    that overrides `update` (TF 2.4 style, e.g. to add its own skip
+    condition), is driven through `update(unscaled_grads)`.
+    """
+    return not (
+        isinstance(loss_scale, DynamicLossScale)
+        and type(loss_scale).update is DynamicLossScale.update
+    )
 
 
 _CLASSES: dict[str, type[LossScale]] = {"FixedLossScale": FixedLossScale, "DynamicLossScale": DynamicLossScale}

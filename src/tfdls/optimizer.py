@@ -9,13 +9,16 @@ from typing import Any, Iterable, Sequence
 import keras
 import tensorflow as tf
 
-from tfdls import _compat, _distribute, _masked_update, _plan, finite, overflow
+from tfdls import _compat, _distribute, _division, _masked_update, _plan, _unscaling
+from tfdls import finite, overflow
 from tfdls import gradient_stats as stats_lib
 from tfdls import loss_scale as loss_scale_lib
 
 _KERAS_STYLE_KEYWORDS = ("initial_scale", "dynamic_growth_steps", "dynamic")
-# Float types with less range than float32 are divided in float32.
-_NARROW_FLOATS = (tf.float16, tf.bfloat16)
+# The step path has no tensor-dependent Python control flow: AutoGraph need
+# not rewrite it (as Keras' own trainer code is not), which also keeps
+# tracebacks readable.
+_NOT_CONVERTED = tf.autograph.experimental.do_not_convert
 
 
 def _check_inner_optimizer(inner_optimizer):
@@ -68,51 +71,12 @@ def _build_loss_scale(loss_scale, keras_style):
     return loss_scale_lib.FixedLossScale(initial_scale)
 
 
-def _reciprocal_factors(scale):
-    """Two normal floats whose product is ``1 / scale``, for any normal float32 scale.
+class _TrackedVariables(tf.Module):
+    """Holds variables so that `tf.train.Checkpoint` and SavedModel track them."""
 
-    ``1 / scale`` itself is subnormal above 2**126, and CPU kernels flush it
-    to zero. Splitting the scale's binary exponent ``e`` as ``2**-(e // 2)``
-    and the rest keeps both factors normal; for a power-of-two scale both are
-    powers of two, so multiplying by them is exact wherever ``g / scale`` is
-    a normal float, and underflows exactly where it does.
-    """
-    bits = tf.bitcast(tf.cast(scale, tf.float32), tf.int32)
-    exponent = tf.bitwise.right_shift(bits, 23) - 127
-    half = tf.bitcast(tf.bitwise.left_shift(127 - exponent // 2, 23), tf.float32)
-    return half, tf.math.reciprocal(scale * half)
-
-
-def _divide(grad, scale):
-    """`grad / scale`, exactly at every scale.
-
-    Inside XLA as a multiplication by two normal factors (see
-    `_reciprocal_factors`): XLA treats a float division as expensive and
-    would not fuse it into several consumers (Adam's two moments), so the
-    divided gradient would be written and read once more. Elsewhere a plain
-    division, one kernel.
-    """
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(_divide(grad.values, scale), grad.indices, grad.dense_shape)
-    grad = tf.convert_to_tensor(grad)
-    narrow = grad.dtype in _NARROW_FLOATS
-    wide = tf.cast(grad, tf.float32) if narrow else grad
-    if _compat.in_xla_context():
-        first, second = _reciprocal_factors(scale)
-        result = wide * tf.cast(first, wide.dtype) * tf.cast(second, wide.dtype)
-    else:
-        result = wide / tf.cast(scale, wide.dtype)
-    return tf.cast(result, grad.dtype) if narrow else result
-
-
-def _multiply(grad, scale):
-    """`grad * scale`, the inverse of `_divide`."""
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(_multiply(grad.values, scale), grad.indices, grad.dense_shape)
-    grad = tf.convert_to_tensor(grad)
-    if grad.dtype in _NARROW_FLOATS:
-        return tf.cast(tf.cast(grad, tf.float32) * scale, grad.dtype)
-    return grad * tf.cast(scale, grad.dtype)
+    def __init__(self, variables):
+        super().__init__(name="inner_optimizer_state")
+        self.tracked = list(variables)
 
 
 @keras.saving.register_keras_serializable(package="tfdls")
@@ -237,7 +201,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._min_scale_policy = policy
         self.jit_compile = jit_compile
         self.record_gradient_stats = gradient_stats
-        self._unscaled_marks = _plan.UnscaledMarks()
+        # The flag behind the unscaling rule (see `get_unscaled_gradients`).
+        self._unscaling = _unscaling.UnscaleState()
         # Made by build():
         self._overflow: overflow.OverflowRecord | None = None
         self._stats: stats_lib.GradientStatsRecord | None = None
@@ -291,9 +256,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def variables(self):
         return self._variables + list(self.loss_scale.variables) + self.inner_optimizer.variables
 
-    @_compat.no_automatic_dependency_tracking
     def build(self, var_list):
+        # Outside Keras' no-tracking scope: variables the inner optimizer
+        # creates without add_variable (Nadam's `_u_product`, Adafactor's
+        # placeholders) are tracked, so `variables`, `.keras` files and
+        # checkpoints carry them.
         self.inner_optimizer.build(var_list)
+        # Checkpoints and SavedModels find variables by tracking; not every
+        # Keras optimizer tracks all of its own (MultiOptimizer does not track
+        # its sub-optimizers'), so every variable of the inner optimizer is
+        # tracked from here too (shared, not copied).
+        self._inner_optimizer_state = _TrackedVariables(self.inner_optimizer.variables)
         # The generic Optimizer.build; Keras' LossScaleOptimizer.build would
         # create its own scale variables.
         super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
@@ -307,8 +280,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -- scaling ----------------------------------------------------------------
 
+    @_NOT_CONVERTED
     def scale_loss(self, loss: Any) -> tf.Tensor:
-        """Returns `loss * scale`: the hook Keras 3's `fit` calls."""
+        """Returns `loss * scale`: the hook Keras 3's `fit` calls.
+
+        Also starts a new step for the unscaling rule (see
+        `get_unscaled_gradients`): an earlier `get_unscaled_gradients` call
+        no longer counts.
+        """
+        self._unscaling.begin_step()
         return keras.ops.multiply(loss, self.loss_scale())
 
     def get_scaled_loss(self, loss: Any) -> Any:
@@ -317,34 +297,71 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return lambda: self.scale_loss(loss())
         return self.scale_loss(loss)
 
+    @_NOT_CONVERTED
     def get_unscaled_gradients(self, grads: Iterable[Any]) -> list[Any]:
-        """Divides gradients by the scale (tf_keras style).
+        """Divides gradients by the scale (tf_keras style), exactly.
 
-        `apply`/`apply_gradients` does not divide these again, nor (inside a
-        `tf.function`) anything computed from them, such as clipped
-        gradients; other gradients, for example the scaled ones passed to this
-        method for logging, are divided as usual. See `tfdls._plan.UnscaledMarks`.
+        The unscaling rule: `apply` (and `apply_gradients`) divides every
+        gradient by the loss scale, unless `get_unscaled_gradients` ran after
+        the last `scale_loss`, `get_scaled_loss` or `apply`; then it divides
+        none of them. The rule is kept in a variable and applied when the step
+        runs, so it holds alike in eager code, `tf.function`s, loops, across
+        functions and under `strategy.run`. So after this call pass `apply`
+        its outputs, or what you compute from them (clipped gradients, sums
+        over micro-batches), and only those.
+
+        Misuses tfdls can see raise a `ValueError` instead of a wrong update:
+        applying the scaled gradients (or scaled gradients times a factor
+        computed from the unscaled ones) after this call; applying one call's
+        outputs in two `apply` calls; applying, in a loop body or a nested
+        `tf.function`, outputs of a call made outside it; and, in eager mode,
+        applying anything but the tensors this returned. To only look at
+        unscaled values (logging), divide by `loss_scale()` yourself.
+
+        Example:
+
+        >>> opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0))
+        >>> w = keras.Variable([0.0], name="w")
+        >>> with tf.GradientTape() as tape:
+        ...     loss = opt.get_scaled_loss(3.0 * tf.reduce_sum(w))
+        >>> grads = opt.get_unscaled_gradients(tape.gradient(loss, [w]))
+        >>> grads[0].numpy()
+        array([3.], dtype=float32)
+        >>> _ = opt.apply_gradients(zip(grads, [w]))  # not divided again
+        >>> w.numpy()
+        array([-3.], dtype=float32)
+        >>> opt.apply_gradients(zip(grads, [w]))  # a second apply would divide them
+        Traceback (most recent call last):
+          ...
+        ValueError: tfdls: apply() received gradients returned by a get_unscaled_gradients() call that an earlier apply()...
         """
         grads = list(grads)
         scale = self.loss_scale()
-        unscaled = [None if g is None else _divide(g, scale) for g in grads]
-        self._unscaled_marks.mark(grads, unscaled)
+        how = _division.method(
+            _division.scale_is_power_of_two(self.loss_scale), _compat.in_xla_context()
+        )
+        unscaled = [None if g is None else _division.divide(g, scale, how) for g in grads]
+        self._unscaling.record_unscaled(grads, unscaled)
         return unscaled
 
     # -- applying -----------------------------------------------------------------
 
+    @_NOT_CONVERTED
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
         grads, trainable_variables = zip(*grads_and_vars)
         self.apply(grads, trainable_variables)
         return self.iterations
 
+    @_NOT_CONVERTED
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
-        """Divides `grads` by the scale (unless already divided), updates the
-        loss scale, and applies them with the inner optimizer iff all are finite."""
+        """Divides `grads` by the scale (see `get_unscaled_gradients` for when
+        not), updates the loss scale, and applies them with the inner optimizer
+        iff all are finite."""
         try:
             grads, trainable_variables = self._arguments(grads, trainable_variables)
             if not grads:
                 return
+            self._unscaling.check(grads)
             plan = self._plan(grads, trainable_variables)
             self.step_plan = plan
             if plan.compile:
@@ -352,8 +369,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             else:
                 self._step(plan, grads, trainable_variables)
         finally:
-            # An eager mark lasts until the next apply, also one that raised.
-            self._unscaled_marks.clear()
+            self._unscaling.end_step()
 
     def _arguments(self, grads, trainable_variables):
         grads = list(grads)
@@ -393,10 +409,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             trainable_variables,
             self.inner_optimizer,
             self.jit_compile,
-            self._unscaled_marks.classify(grads),
             fixed_scale=isinstance(loss_scale, loss_scale_lib.FixedLossScale),
             dynamic_scale=isinstance(loss_scale, loss_scale_lib.DynamicLossScale),
             min_scale=min_scale,
+            power_of_two_scale=_division.scale_is_power_of_two(loss_scale),
         )
 
     def _compiled_step(self, plan, grads, trainable_variables):
@@ -410,16 +426,29 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._step(inside, full, trainable_variables)
 
         # One XLA cluster: check, division and update fuse.
-        tf.function(compiled_step, jit_compile=True)([grads[i] for i in present])
+        tf.function(compiled_step, jit_compile=True, autograph=False)(
+            [grads[i] for i in present]
+        )
 
     def _step(self, plan, grads, trainable_variables):
         """Executes `plan`: divide, check, update the scale, apply or skip."""
         scale = self.loss_scale()  # the scale the gradients were multiplied by
-        unscaled = [_divide(g, scale) if d else g for g, d in zip(grads, plan.divide)]
+        # The unscaling rule, at run time: divide by 1 if get_unscaled_gradients
+        # already divided this step's gradients.
+        already_unscaled = self._unscaling.consume()
+        divisor = tf.where(already_unscaled, tf.ones_like(scale), scale)
+        unscaled = [
+            _division.divide(g, divisor, plan.division) if d else g
+            for g, d in zip(grads, plan.divide)
+        ]
         checked = grads if plan.check == "scaled" else unscaled
         should_apply = self._update_loss_scale(checked, unscaled, trainable_variables, scale)
         if self._stats is not None:
-            self._record_gradient_stats(plan, grads, checked, trainable_variables, scale,
+            # Figures of the scaled gradients: the gradients as given, times
+            # the scale where get_unscaled_gradients divided them.
+            factor = tf.where(already_unscaled, scale, tf.ones_like(scale))
+            factors = [factor if d else None for d in plan.divide]
+            self._record_gradient_stats(grads, factors, checked, trainable_variables,
                                         should_apply)
         if should_apply is True:
             self.inner_optimizer.apply(unscaled, trainable_variables)
@@ -430,6 +459,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
             if audit.exact:
                 return
+            # What actually runs: a cond (inside the compiled apply, if any).
+            self.step_plan = dataclasses.replace(
+                self.step_plan, skip="cond", reason=f"the audit failed: {audit.reason}"
+            )
             self._warn_fallback(audit.reason)
         _distribute.apply_if(should_apply, self.inner_optimizer.apply, (unscaled, trainable_variables))
 
@@ -438,21 +471,26 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         loss_scale = self.loss_scale
         if isinstance(loss_scale, loss_scale_lib.FixedLossScale):
             return True
-        if not isinstance(loss_scale, loss_scale_lib.DynamicLossScale):
+        custom = loss_scale_lib.has_custom_update(loss_scale)
+        if custom:
+            # A custom scale (or a DynamicLossScale subclass with its own
+            # update()) decides from the unscaled gradients, as in TF 2.4.
             _, should_apply = loss_scale.update(unscaled)
             if should_apply is True:
                 return True
-            # A custom scale's decision, made the same on every replica.
-            vetoes = tf.cast(tf.logical_not(should_apply), tf.float32)
-            return tf.equal(_distribute.sum_over_replicas(vetoes), 0.0)
         self._check_variables_are_known(trainable_variables)
         present = [i for i, g in enumerate(checked) if g is not None]
         # Per gradient: how many replicas saw NaN/Inf (the same on all replicas).
         counts = finite.nonfinite_counts(
             finite.gradient_values([checked[i] for i in present]), across_replicas=True
         )
-        is_finite = tf.equal(tf.reduce_sum(counts), 0.0)
-        loss_scale.update_from_decision(is_finite)
+        if custom:
+            # The custom decision, made the same on every replica.
+            vetoes = tf.cast(tf.logical_not(should_apply), tf.float32)
+            is_finite = tf.equal(_distribute.sum_over_replicas(vetoes), 0.0)
+        else:
+            is_finite = tf.equal(tf.reduce_sum(counts), 0.0)
+            loss_scale.update_from_decision(is_finite)
         positions = [self._get_variable_index(trainable_variables[i]) for i in present]
         num_variables = len(self._trainable_variables)
         if positions == list(range(num_variables)):
@@ -460,20 +498,22 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         else:
             indices = tf.constant(positions, tf.int32, shape=[len(positions), 1])
             mask = tf.scatter_nd(indices, counts, [num_variables]) > 0
-        stuck = tf.logical_and(tf.logical_not(is_finite), scale <= loss_scale.min_loss_scale)
+        min_loss_scale = getattr(loss_scale, "min_loss_scale", None)
+        if min_loss_scale is None:
+            stuck = tf.constant(False)
+        else:
+            stuck = tf.logical_and(tf.logical_not(is_finite), scale <= min_loss_scale)
         self._overflow.record(is_finite, mask, tf.cast(self.iterations, tf.int64), stuck)
         return is_finite
 
-    def _record_gradient_stats(self, plan, grads, checked, trainable_variables, scale,
+    def _record_gradient_stats(self, grads, factors, checked, trainable_variables,
                                should_apply):
         present = [i for i, g in enumerate(grads) if g is not None]
-        # The scaled gradients: as given, or multiplied back where they came
-        # already divided.
-        scaled = [
-            grads[i] if plan.divide[i] else _multiply(grads[i], scale) for i in present
-        ]
         stats = stats_lib.worst_over_replicas(
-            stats_lib.tensor_stats(finite.gradient_values(scaled))
+            stats_lib.tensor_stats(
+                finite.gradient_values([grads[i] for i in present]),
+                [factors[i] for i in present],
+            )
         )
         if should_apply is True:  # a fixed scale: keep finite steps' figures only
             should_apply = finite.all_finite([checked[i] for i in present], across_replicas=True)

@@ -139,7 +139,7 @@ def names_from_mask(mask, variable_names):
     return tuple(name for name, hit in zip(variable_names, np.asarray(mask)) if hit)
 
 
-class OverflowRecord:
+class OverflowRecord(tf.Module):
     """The device-side record of overflows and its host-side readers.
 
     Args:
@@ -151,11 +151,14 @@ class OverflowRecord:
         gradient_stats: an optional `tfdls.gradient_stats.GradientStatsRecord`
             whose headroom figures reports and warnings quote.
 
-    The variables are diagnostics, not training state: they are not
-    checkpointed (a restored run starts a new record).
+    The variables are diagnostics, not training state: they are not in the
+    optimizer's `variables` (nor in `.keras` files, where a loaded model
+    starts a new record). They are tracked, so that a SavedModel can export
+    a training step, and `tf.train.Checkpoint` carries them.
     """
 
     def __init__(self, variable_names, attribution, policy, gradient_stats=None):
+        super().__init__(name="overflow_record")
         self.variable_names = tuple(variable_names)
         self.attribution = attribution
         self.policy = policy
