@@ -2,7 +2,10 @@
 
 * a skipped step leaves the model variables, every inner-optimizer variable
   and `iterations` bit-identical (including -0.0 and subnormal values);
-* a finite step equals the bare inner optimizer fed the true gradients.
+* a finite step equals the bare inner optimizer fed the true gradients: bit
+  for bit where the apply is not compiled (eager, ``jit_compile=False``),
+  and within `COMPILED_ULPS` of the bare optimizer compiled with XLA where it
+  is (README's accuracy claim).
 
 Modes: eager; a graph-mode `tf.function` with each `jit_compile` value of the
 wrapper (auto compiles the apply, False keeps plain graph ops, True forces
@@ -24,6 +27,11 @@ from tfdls import _masked_update
 
 NAN = float("nan")
 SCALE = 2.0**12
+# A compiled apply fuses the check and the masked writes into the update;
+# XLA then rounds a few classes' reductions differently from the bare
+# optimizer's own XLA step (measured: Adafactor 2 ulp, Muon 3); every other
+# class is bit-identical.
+COMPILED_ULPS = {"Adafactor": 4, "Muon": 4}
 
 MODES = {
     "eager": (None, "auto"),
@@ -59,6 +67,15 @@ def _bits(values):
     return [np.asarray(keras.ops.convert_to_numpy(v)).tobytes() for v in values]
 
 
+def _ulps(a, b):
+    """Largest distance in float32 units in the last place (0: bit-identical)."""
+    def ordered(x):
+        bits = np.asarray(x, np.float32).view(np.int32).astype(np.int64)
+        return np.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+    return int(np.max(np.abs(ordered(a) - ordered(b)), initial=0))
+
+
 def test_every_exported_class_is_listed_as_supported():
     # The matrix below runs them all; a new Keras class must be added on purpose.
     assert sorted(cls.__name__ for cls in _masked_update.SUPPORTED) == EXPORTED
@@ -86,7 +103,9 @@ def test_skipped_step_is_bit_identical_and_finite_steps_match_bare(name, mode):
     )
     bare = make_optimizer(name, "b", learning_rate=1e-2)
     step = _step_fn(lambda g: opt.apply(g, variables), mode)
-    bare_step = _step_fn(lambda g: bare.apply(g, bare_variables), mode)
+    # Where tfdls compiles its apply, the bare step is compiled too.
+    compiled = mode in ("graph-auto", "graph-jit-true", "xla")
+    bare_step = _step_fn(lambda g: bare.apply(g, bare_variables), "xla" if compiled else mode)
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback warning
@@ -105,11 +124,14 @@ def test_skipped_step_is_bit_identical_and_finite_steps_match_bare(name, mode):
     assert _bits(state) == before
     assert int(opt.iterations.numpy()) == 2
     assert float(opt.loss_scale().numpy()) == SCALE / 2
-    for mine, theirs in zip(variables, bare_variables):
-        np.testing.assert_allclose(
-            keras.ops.convert_to_numpy(mine), keras.ops.convert_to_numpy(theirs),
-            rtol=2e-5, atol=1e-7,
-        )
+    allowed = COMPILED_ULPS.get(name, 0) if compiled else 0
+    pairs = zip(variables + opt.inner_optimizer.variables, bare_variables + bare.variables)
+    for mine, theirs in pairs:
+        if not np.issubdtype(np.asarray(keras.ops.convert_to_numpy(mine)).dtype, np.floating):
+            assert _bits([mine]) == _bits([theirs])
+            continue
+        ulps = _ulps(keras.ops.convert_to_numpy(mine), keras.ops.convert_to_numpy(theirs))
+        assert ulps <= allowed, (mine.path, ulps)
     step([tf.constant(g * np.float32(SCALE / 2)) for g in _true_grads(3)])
     assert int(opt.iterations.numpy()) == 3  # and it applies again
 
