@@ -55,6 +55,33 @@ def _ambiguous_eager_gradients():
     opt.apply([tf.ones(2) * 2.0], [w])
 
 
+def _traced(fn):
+    """Runs fn(opt, w, scaled) in a tf.function (the misuse raises at trace time)."""
+    opt, w = _built_optimizer()
+    tf.function(lambda g: fn(opt, w, g))(tf.ones(2))
+
+
+def _scaled_after_unscaling(opt, w, scaled):
+    opt.get_unscaled_gradients([scaled])  # logged
+    opt.apply([scaled], [w])
+
+
+def _apply_twice(opt, w, scaled):
+    unscaled = opt.get_unscaled_gradients([scaled])
+    opt.apply(unscaled, [w])
+    opt.apply(unscaled, [w])
+
+
+def _apply_in_loop(opt, w, scaled):
+    unscaled = opt.get_unscaled_gradients([scaled])
+    for _ in tf.range(2):
+        opt.apply(unscaled, [w])
+
+
+def _through_arguments(opt, w, scaled):
+    tf.function(lambda grads: opt.apply(grads, [w]))(opt.get_unscaled_gradients([scaled]))
+
+
 def _stats_not_enabled():
     opt, _ = _built_optimizer()
     opt.gradient_stats()
@@ -185,8 +212,20 @@ CASES = {
     "`apply` with a variable the optimizer was not built with": [
         (_apply_unknown_variable, ValueError, r"other"),
     ],
-    "eager `apply` of a gradient neither returned by nor given to a pending `get_unscaled_gradients`": [
+    "eager `apply`, while a `get_unscaled_gradients` call is pending, of a gradient it did not return": [
         (_ambiguous_eager_gradients, ValueError, r"cannot tell whether to divide"),
+    ],
+    "`apply` of the scaled gradients (or anything computed from them) after `get_unscaled_gradients`": [
+        (lambda: _traced(_scaled_after_unscaling), ValueError, r"computed from the scaled"),
+    ],
+    "a second `apply` of one `get_unscaled_gradients` call's outputs": [
+        (lambda: _traced(_apply_twice), ValueError, r"already closed"),
+    ],
+    "`apply` in a loop body or nested `tf.function` of gradients unscaled outside it": [
+        (lambda: _traced(_apply_in_loop), ValueError, r"loop body or a nested"),
+    ],
+    "gradients through a nested `tf.function`'s arguments while `get_unscaled_gradients` is pending outside": [
+        (lambda: _traced(_through_arguments), ValueError, r"arguments of a nested"),
     ],
     "`LossScaleMonitor(update_freq=0)`": [
         (lambda: tfdls.LossScaleMonitor(update_freq=0), ValueError, r"update_freq=0"),
