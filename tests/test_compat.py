@@ -82,3 +82,59 @@ def test_require_names_a_missing_module_or_attribute():
         _compat._require("tfdls_no_such_module")
     with pytest.raises(ImportError, match=r"tfdls relies on math\.no_such_name, "):
         _compat._require("math", "no_such_name")
+
+
+def _import_in_subprocess(code, **env):
+    import os
+    import subprocess
+    import sys
+
+    environment = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    environment.update(env, TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=environment
+    )
+
+
+@pytest.mark.parametrize(
+    "backend, code",
+    [
+        ("jax", "import tfdls"),  # jax is not installed: Keras itself could not import
+        pytest.param("torch", "import tfdls", marks=pytest.mark.slow),  # nor torch
+        # Keras' numpy backend needs jax too.
+        pytest.param("numpy", "import tfdls", marks=pytest.mark.slow),
+    ],
+)
+def test_another_keras_backend_is_an_import_error_naming_it(backend, code):
+    result = _import_in_subprocess(code, KERAS_BACKEND=backend)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: tfdls needs Keras' TensorFlow backend"), last
+    assert repr(backend) in last and "KERAS_BACKEND=tensorflow" in last, last
+
+
+@pytest.mark.slow
+def test_a_backend_from_keras_json_is_named_with_its_file(tmp_path):
+    (tmp_path / "keras.json").write_text('{"backend": "numpy"}')
+    result = _import_in_subprocess("import tfdls", KERAS_HOME=str(tmp_path))
+    last = result.stderr.strip().splitlines()[-1]
+    assert "'numpy' backend" in last and str(tmp_path / "keras.json") in last, last
+
+
+@pytest.mark.slow
+def test_the_tensorflow_backend_imports():
+    result = _import_in_subprocess("import tfdls; print('ok')", KERAS_BACKEND="tensorflow")
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_keras_imported_on_another_backend_is_named(monkeypatch):
+    """With the backend's package installed, Keras imports; tfdls asks Keras itself."""
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(ImportError, match=r"'jax' backend \(keras\.backend\.backend\(\)\)"):
+        _compat.check_versions()
+
+
+def test_check_backend_accepts_only_tensorflow():
+    assert _compat.check_backend("tensorflow") is None
+    with pytest.raises(ImportError, match=r"'jax' backend \(from a test\)"):
+        _compat.check_backend("jax", "from a test")

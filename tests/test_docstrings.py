@@ -39,9 +39,20 @@ def test_docstring_examples_run(module_name):
         optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
     )
     for test in _examples(module_name):
-        test.globs = {"tfdls": tfdls, "tf": tf, "keras": keras, "np": np}
+        test.globs = {"tfdls": tfdls, "tf": tf, "keras": keras, "np": np, "warnings": warnings}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. the stuck-scale warning an example triggers
             runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed"
+
+
+def test_help_lists_the_optimizers_attributes_and_properties():
+    import pydoc
+
+    text = pydoc.render_doc(tfdls.LossScaleOptimizer, renderer=pydoc.plaintext)
+    for attribute in ("inner_optimizer:", "loss_scale:", "step_plan:"):
+        assert attribute in text, attribute
+    for name in ("dynamic", "initial_scale", "dynamic_growth_steps", "dynamic_scale",
+                 "step_counter"):
+        assert getattr(tfdls.LossScaleOptimizer, name).__doc__, name

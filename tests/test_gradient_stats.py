@@ -8,6 +8,7 @@ skipped step keeps the last finite step's figures.
 
 import glob
 import math
+import warnings
 import os
 
 import keras
@@ -282,3 +283,26 @@ def test_values_below_the_dtypes_normal_range_count_as_small_not_zero(mode, shap
     stats = opt.gradient_stats()["v"]
     assert stats.subnormal_fraction == pytest.approx(3 / values.size)
     assert stats.zero_fraction == pytest.approx((values.size - 4) / values.size)
+
+
+def test_bfloat16_is_warned_once_and_measured_against_float16():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    w = keras.Variable(np.zeros(2, "float32"), name="w")
+    opt = tfdls.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), tfdls.DynamicLossScale(2.0**10), gradient_stats=True
+    )
+    with pytest.warns(tfdls.BFloat16Warning, match="needs no loss scaling"):
+        opt.build([w])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tfdls.BFloat16Warning)  # once: not again
+        opt.apply([tf.constant([32.0, 0.0]) * 2.0**10], [w])
+    # 2**15 is one bit below float16's maximum, whatever bfloat16 could hold.
+    assert opt.gradient_stats()["w"].headroom_bits == pytest.approx(math.log2(65504 / 2**15))
+
+
+def test_float32_and_float16_policies_do_not_warn():
+    for policy in ("float32", "mixed_float16"):
+        keras.mixed_precision.set_global_policy(policy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tfdls.BFloat16Warning)
+            tfdls.LossScaleOptimizer(keras.optimizers.SGD()).build([keras.Variable([1.0])])

@@ -655,3 +655,39 @@ def test_saved_model_keeps_updating(tmp_path):
     assert float(scale.numpy()) == 32.0
     assert float(loaded.ls.current_loss_scale.numpy()) == 32.0
     assert int(loaded.ls.num_skipped_steps_variable.numpy()) == 2
+
+
+def _readme_state_names():
+    """(Python reader, variable name) per row of README's state table."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("| state | read in Python |", 1)[1].split("\n\n", 1)[0]
+    rows = []
+    for line in section.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        reader = re.match(r"`([^`]+)`", cells[1]).group(1)
+        rows.append((reader, cells[2].strip("`")))
+    return rows
+
+
+def test_readme_names_each_piece_of_state_as_saved(tmp_path):
+    rows = _readme_state_names()
+    holder = _Holder()
+    holder.step(tf.ones([3]))
+    ls = holder.ls
+    # Every variable of the scale is in the table, once.
+    assert sorted(v for _, v in rows) == sorted(
+        name for name, value in vars(ls).items() if isinstance(value, tf.Variable)
+    )
+    tf.saved_model.save(holder, str(tmp_path / "sm"))
+    loaded = tf.saved_model.load(str(tmp_path / "sm"))
+    path = tf.train.Checkpoint(ls=ls).save(str(tmp_path / "ckpt"))
+    keys = {name for name, _ in tf.train.list_variables(path)}
+    for reader, variable in rows:
+        expected = getattr(ls, variable).numpy()
+        assert getattr(loaded.ls, variable).numpy() == expected  # SavedModel attribute
+        assert f"ls/{variable}/.ATTRIBUTES/VARIABLE_VALUE" in keys  # checkpoint name
+        value = ls() if reader == "ls()" else getattr(ls, reader.split(".", 1)[1].split(" ")[0])
+        assert tf.convert_to_tensor(value).numpy() == expected  # the Python reader

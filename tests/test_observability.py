@@ -145,7 +145,7 @@ def test_last_overflow_names_the_poisoned_variable(run_mode):
     report = opt.last_overflow()
     assert isinstance(report, tfdls.OverflowReport)
     assert report.variable_names == ("block/beta",)
-    assert report.step == 2 == int(opt.iterations.numpy())
+    assert report.step == 2 == report.applied_steps == int(opt.iterations.numpy())
     assert report.num_skipped_steps == 1
     assert report.loss_scale == 32.0 == float(opt.loss_scale().numpy())
     np.testing.assert_array_equal(beta.numpy(), beta_before)
@@ -160,7 +160,8 @@ def test_last_overflow_names_the_poisoned_variable(run_mode):
     step(_flags(True, False))
     report = opt.last_overflow()
     assert report.variable_names == ("block/alpha",)
-    assert report.step == 3 == int(opt.iterations.numpy())
+    # Every step counts (the skipped step 2 too); 3 updates were applied before it.
+    assert report.step == 4 and report.applied_steps == 3 == int(opt.iterations.numpy())
     assert report.num_skipped_steps == 2
     assert report.loss_scale == 16.0
 
@@ -168,7 +169,29 @@ def test_last_overflow_names_the_poisoned_variable(run_mode):
     step(_flags(True, True))
     report = opt.last_overflow()
     assert report.variable_names == ("block/alpha", "block/beta")
-    assert (report.step, report.num_skipped_steps, report.loss_scale) == (3, 3, 8.0)
+    assert (report.step, report.applied_steps) == (5, 3)
+    assert (report.num_skipped_steps, report.loss_scale) == (3, 8.0)
+
+
+@pytest.mark.parametrize("mode", slow_except(["eager", "function", "xla"], ["function"]))
+def test_consecutive_skips_report_consecutive_steps(mode):
+    """Batches 5 to 9 skipped: reported as steps 5 to 9, after 5 applied updates."""
+    w = keras.Variable(np.zeros(2, "float32"), name="w")
+    opt = tfdls.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1),
+        tfdls.DynamicLossScale(2.0**20, increment_period=1000),
+        min_scale_policy="ignore",
+    )
+    step = lambda g: opt.apply([g], [w])  # noqa: E731
+    if mode != "eager":
+        step = tf.function(step, jit_compile=mode == "xla")
+    reported = []
+    for batch in range(10):
+        step(tf.constant([1.0, np.nan if batch >= 5 else 1.0]))
+        report = opt.last_overflow()
+        reported.append(None if report is None else (report.step, report.applied_steps))
+    assert reported == [None] * 5 + [(b, 5) for b in range(5, 10)]
+    assert "step 9 (5 updates applied)" in str(opt.last_overflow())
 
 
 def test_no_report_without_attribution(run_mode):
@@ -360,7 +383,7 @@ def test_warn_policy_warns_once_at_the_host_check_in_every_mode(mode):
     assert len(stuck) == 1, [str(w.message) for w in stuck]
     message = str(stuck[0].message)
     assert "loss scale is at its minimum" in message
-    assert "step 2" in message
+    assert "step 5" in message  # the last of steps 2 to 5, every step counted
     assert "block/beta" in message and "block/alpha" not in message
     assert int(opt.loss_scale.num_skipped_steps.numpy()) == 4
     assert float(opt.loss_scale().numpy()) == 1.0
@@ -369,7 +392,7 @@ def test_warn_policy_warns_once_at_the_host_check_in_every_mode(mode):
 @pytest.mark.parametrize("mode", slow_except(STEP_MODES, ["xla"]))
 def test_raise_policy_raises_the_plain_error_at_the_host_check_in_every_mode(mode):
     opt = _stuck_run("raise", mode, stuck_steps=2)  # the steps themselves do not raise
-    with pytest.raises(tfdls.LossScaleStuckError, match=r"minimum \(1\).*step 2.*block/beta"):
+    with pytest.raises(tfdls.LossScaleStuckError, match=r"minimum \(1\).*step 3.*block/beta"):
         opt.check_min_scale_policy()
     opt.check_min_scale_policy()  # reported once: nothing new since
     opt = _stuck_run("raise", mode, stuck_steps=1)

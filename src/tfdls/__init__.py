@@ -17,11 +17,12 @@ from tfdls.loss_scale import (  # noqa: E402
     get,
     serialize,
 )
-from tfdls.optimizer import LossScaleOptimizer  # noqa: E402
+from tfdls.optimizer import BFloat16Warning, LossScaleOptimizer  # noqa: E402
 from tfdls.overflow import LossScaleStuckError, OverflowReport  # noqa: E402
 from tfdls._plan import StepPlan  # noqa: E402
 
 __all__ = [
+    "BFloat16Warning",
     "DynamicLossScale",
     "FixedLossScale",
     "GradientStats",

@@ -43,6 +43,57 @@ def _need(found):
     )
 
 
+def configured_keras_backend():
+    """The Keras backend in use, or the one Keras will pick when it is imported, and why.
+
+    Keras reads ``KERAS_BACKEND``, else the ``backend`` of its ``keras.json``
+    (in ``$KERAS_HOME``, else ``~/.keras``), else uses TensorFlow. Read here
+    without importing Keras, because importing Keras with a backend whose
+    package is missing fails with an unrelated-looking ImportError.
+
+    Returns:
+        ``(backend, source)``, for example ``("jax", "KERAS_BACKEND=jax")``.
+    """
+    import json
+    import os
+    import sys
+
+    keras = sys.modules.get("keras")
+    if keras is not None and hasattr(keras, "backend"):
+        return keras.backend.backend(), "keras.backend.backend()"
+    if os.environ.get("KERAS_BACKEND"):
+        backend = os.environ["KERAS_BACKEND"]
+        return backend, f"KERAS_BACKEND={backend}"
+    home = os.environ.get("KERAS_HOME")
+    if home is None:
+        base = os.path.expanduser("~")
+        home = os.path.join(base if os.access(base, os.W_OK) else "/tmp", ".keras")
+    path = os.path.join(home, "keras.json")
+    try:
+        with open(path) as config:
+            backend = json.load(config).get("backend", "tensorflow")
+    except (OSError, ValueError, AttributeError):
+        return "tensorflow", "Keras' default"
+    return backend, f'"backend": "{backend}" in {path}'
+
+
+def check_backend(backend=None, source=""):
+    """Raises ImportError unless Keras runs on its TensorFlow backend.
+
+    Args:
+        backend, source: the backend and where it was set (for tests); by
+            default `configured_keras_backend()`.
+    """
+    if backend is None:
+        backend, source = configured_keras_backend()
+    if backend != "tensorflow":
+        raise ImportError(
+            f"tfdls needs Keras' TensorFlow backend; Keras is set to the {backend!r} backend "
+            f"({source}). Set the environment variable KERAS_BACKEND=tensorflow before "
+            "Keras is imported (or change \"backend\" in keras.json)."
+        )
+
+
 def check_versions(tensorflow_version=None, keras_version=None):
     """Raises ImportError unless TensorFlow >= 2.16 and Keras >= 3.9 are importable.
 
@@ -59,11 +110,13 @@ def check_versions(tensorflow_version=None, keras_version=None):
     if _version_tuple(tensorflow_version) < MIN_TENSORFLOW:
         raise _need(f"TensorFlow {tensorflow_version}")
     if keras_version is None:
+        check_backend()  # before `import keras`, which fails for a backend not installed
         try:
             import keras
         except ImportError as error:
             raise _need(f"no Keras ({error})") from error
         keras_version = getattr(keras, "__version__", "0")
+        check_backend()  # however it was chosen
     if _version_tuple(keras_version) < MIN_KERAS:
         raise _need(f"Keras {keras_version}")
 

@@ -17,6 +17,11 @@ Zeros and small values are counted on the bits, so a float32 value below
 float32's own normal range (which XLA and CPU kernels may treat as zero)
 counts as small, not as zero.
 
+The figures are float16-relative whatever the gradients' dtype: loss scaling
+exists for float16. Under bfloat16 (float32's range, see
+`tfdls.BFloat16Warning`) a small headroom or a high subnormal fraction here
+points at no problem.
+
 Under a `tf.distribute` strategy each figure is the worst replica's (the
 smallest headroom, the largest fractions). Skipped steps leave the last
 finite step's figures. For sparse gradients the figures cover the rows

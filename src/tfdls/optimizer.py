@@ -71,6 +71,44 @@ def _build_loss_scale(loss_scale, keras_style):
     return loss_scale_lib.FixedLossScale(initial_scale)
 
 
+class BFloat16Warning(UserWarning):
+    """Loss scaling a bfloat16 model: harmless, but it does nothing useful.
+
+    bfloat16 has float32's exponent range, so its gradients neither overflow
+    nor underflow where float32's would not: it needs no loss scale. tfdls
+    still scales, checks and skips as configured, and its gradient
+    statistics stay float16-relative. Warned once per optimizer, when it is
+    built under a ``mixed_bfloat16`` policy or for bfloat16 variables.
+    Silence it with ``warnings.filterwarnings("ignore", category=tfdls.BFloat16Warning)``.
+
+    Example:
+
+    >>> keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    >>> opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD())
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     opt.build([keras.Variable([1.0])])
+    >>> [w.category.__name__ for w in caught]
+    ['BFloat16Warning']
+    >>> keras.mixed_precision.set_global_policy("float32")
+    """
+
+
+def _warn_if_bfloat16(var_list):
+    compute_dtype = keras.mixed_precision.global_policy().compute_dtype
+    dtypes = {tf.as_dtype(getattr(v, "dtype", tf.float32)) for v in var_list}
+    if compute_dtype == "bfloat16" or tf.bfloat16 in dtypes:
+        warnings.warn(
+            "tfdls: this model computes in bfloat16, which has float32's range and needs "
+            "no loss scaling; LossScaleOptimizer still scales, checks and skips as "
+            "configured, and its gradient statistics are float16-relative. Use the inner "
+            "optimizer alone, or silence this with warnings.filterwarnings('ignore', "
+            "category=tfdls.BFloat16Warning).",
+            BFloat16Warning,
+            stacklevel=3,
+        )
+
+
 class _TrackedVariables(tf.Module):
     """Holds variables so that `tf.train.Checkpoint` and SavedModel track them."""
 
@@ -128,6 +166,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             `tfdls.gradient_stats`). Off by default: it reads every gradient
             a few more times (on XLA's CPU backend about three more passes,
             see README's benchmark). No host call.
+
+    Attributes:
+        inner_optimizer: the wrapped Keras optimizer.
+        loss_scale: the `tfdls.LossScale` (a `tf.Module`); ``loss_scale()`` is
+            the current scale, a float32 scalar tensor.
+        step_plan: the `tfdls.StepPlan` of the last traced (or eager) `apply`:
+            how it divides, checks, skips and compiles, and why a fast path
+            was not taken; None before the first `apply`.
+        dynamic, initial_scale, dynamic_growth_steps, dynamic_scale,
+            step_counter: Keras 3 / tf_keras names for the scale's settings
+            and state (see their docstrings).
 
     How a step runs is decided once per trace and kept in `step_plan` (a
     `StepPlan`): inside a `tf.function` a step with one of Keras' own inner
@@ -214,11 +263,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # -- the loss scale, as Keras 3 and tf_keras name it ---------------------------
 
     @property
-    def dynamic(self):
+    def dynamic(self) -> bool:
+        """True for a `DynamicLossScale` (Keras 3's and tf_keras' ``dynamic``)."""
         return isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale)
 
     @property
-    def initial_scale(self):
+    def initial_scale(self) -> float | None:
+        """The dynamic scale's initial value, or the fixed scale's value; None for a custom scale."""
         if self.dynamic:
             return self.loss_scale.initial_loss_scale
         if isinstance(self.loss_scale, loss_scale_lib.FixedLossScale):
@@ -226,7 +277,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return None
 
     @property
-    def dynamic_growth_steps(self):
+    def dynamic_growth_steps(self) -> int | None:
+        """The dynamic scale's `increment_period`; None for other scales."""
         return self.loss_scale.increment_period if self.dynamic else None
 
     @property
@@ -259,6 +311,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self._variables + list(self.loss_scale.variables) + self.inner_optimizer.variables
 
     def build(self, var_list):
+        _warn_if_bfloat16(var_list)
         # Outside Keras' no-tracking scope: variables the inner optimizer
         # creates without add_variable (Nadam's `_u_product`, Adafactor's
         # placeholders) are tracked, so `variables`, `.keras` files and
@@ -590,7 +643,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         >>> w = keras.Variable([1.0], name="w")
         >>> opt.apply([tf.constant([float("inf")])], [w])
         >>> print(opt.last_overflow())
-        step 0: non-finite gradients for w; loss scale now 16384, 1 steps skipped in total
+        step 0 (0 updates applied): non-finite gradients for w; loss scale now 16384, 1 steps skipped in total
         """
         if self._overflow is None:  # not built yet
             return None

@@ -53,8 +53,9 @@ class OverflowReport:
     """What the last skipped step looked like (see `LossScaleOptimizer.last_overflow`).
 
     Attributes:
-        step: the optimizer's `iterations` when the step was skipped (skipped
-            steps do not advance it, so this is also the next step's number).
+        step: the skipped step's number, counting every step from 0, skipped
+            ones included (the batch axis of `fit` and TensorBoard, for a
+            record that began with the run).
         variable_names: paths of the variables whose gradients held NaN/Inf
             (on any replica).
         loss_scale: the scale after the step's update.
@@ -62,14 +63,16 @@ class OverflowReport:
         headroom_bits: with ``gradient_stats=True``, the headroom (in bits,
             below float16's maximum) each named variable's scaled gradient
             had on the last finite step; empty otherwise.
+        applied_steps: the optimizer's `iterations` at the skipped step: the
+            updates applied before it (skipped steps do not advance it).
 
     Example:
 
     >>> report = tfdls.OverflowReport(
     ...     step=308, variable_names=("sequential/dense_2/kernel",),
-    ...     loss_scale=262144.0, num_skipped_steps=3)
+    ...     loss_scale=262144.0, num_skipped_steps=3, applied_steps=305)
     >>> print(report)
-    step 308: non-finite gradients for sequential/dense_2/kernel; loss scale now 262144, 3 steps skipped in total
+    step 308 (305 updates applied): non-finite gradients for sequential/dense_2/kernel; loss scale now 262144, 3 steps skipped in total
     """
 
     step: int
@@ -77,11 +80,13 @@ class OverflowReport:
     loss_scale: float
     num_skipped_steps: int
     headroom_bits: tuple[float, ...] = ()
+    applied_steps: int | None = None
 
     def __str__(self):
         names = ", ".join(self.variable_names) or "(none recorded)"
+        applied = "" if self.applied_steps is None else f" ({self.applied_steps} updates applied)"
         return (
-            f"step {self.step}: non-finite gradients for {names}; loss scale now "
+            f"step {self.step}{applied}: non-finite gradients for {names}; loss scale now "
             f"{self.loss_scale:g}, {self.num_skipped_steps} steps skipped in total"
             + _headroom_text(self.variable_names, self.headroom_bits)
         )
@@ -166,24 +171,33 @@ class OverflowRecord(tf.Module):
         self.mask = state_variable(
             "overflow_mask", np.zeros([len(self.variable_names)], np.bool_), tf.bool
         )
+        # Every step, skipped ones included; and the last skipped one's number
+        # and the optimizer's iterations then.
+        self.steps = state_variable("steps", 0, tf.int64)
         self.last_step = state_variable("last_overflow_step", -1, tf.int64)
+        self.last_applied_steps = state_variable("last_overflow_applied_steps", -1, tf.int64)
         self.stuck_overflows = state_variable("stuck_overflows", 0, tf.int64)
         self._stuck_overflows_seen = 0
 
-    def record(self, is_finite, nonfinite_mask, step, stuck):
-        """In-step, branch-free: records a skipped step's attribution and stuck count.
+    def record(self, is_finite, nonfinite_mask, applied_steps, stuck):
+        """In-step, branch-free: counts the step; records a skipped step's attribution.
 
         Args:
             is_finite: the step's (replica-agreed) decision, a scalar bool.
             nonfinite_mask: bool vector over `variable_names`: which gradients
                 were non-finite on any replica.
-            step: the step number (int64 scalar).
+            applied_steps: the optimizer's iterations (int64 scalar).
             stuck: scalar bool: the step overflowed with the scale at its
                 minimum.
         """
+        step = tf.convert_to_tensor(self.steps)
+        self.steps.assign(step + 1)
         if self.attribution:
             self.mask.assign(tf.where(is_finite, self.mask, nonfinite_mask))
         self.last_step.assign(tf.where(is_finite, self.last_step, step))
+        self.last_applied_steps.assign(
+            tf.where(is_finite, self.last_applied_steps, applied_steps)
+        )
         self.stuck_overflows.assign_add(tf.cast(stuck, tf.int64))
 
     def last_overflow(self, loss_scale, num_skipped_steps):
@@ -200,6 +214,7 @@ class OverflowRecord(tf.Module):
             loss_scale=float(loss_scale),
             num_skipped_steps=int(num_skipped_steps),
             headroom_bits=self._headroom(names),
+            applied_steps=int(self.last_applied_steps.numpy()),
         )
 
     def _headroom(self, names):
