@@ -232,3 +232,60 @@ def test_adam_matches_bare_at_extreme_scales(exponent):
         bare_step(tf.constant(true))
     assert int(opt.loss_scale.num_skipped_steps.numpy()) == 0
     np.testing.assert_allclose(w.numpy(), bare_w.numpy(), rtol=2e-5)
+
+
+_FLOAT16_NORMALS = np.arange(0x0400, 0x7C00, dtype=np.uint16).view(np.float16)
+
+
+@pytest.mark.parametrize("mode", slow_except(MODES, ["xla"]))
+@pytest.mark.parametrize(
+    "scale", slow_except([52428.80078125, 0.1, 0.3, 1.2, 819.2], [52428.80078125, 0.3])
+)
+def test_every_float16_value_divided_by_a_scale_that_is_not_a_power_of_two(mode, scale):
+    """All 30720 positive normal float16 values: each quotient rounds once
+    (TensorFlow casts float64 to float16 through float32, which would round
+    twice for about 5% of them; review of issue 18)."""
+    w = keras.Variable(np.zeros(_FLOAT16_NORMALS.shape, "float16"), dtype="float16", name="w")
+    ls = tfdls.FixedLossScale(scale)
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0), ls)
+    _wrap(lambda g: opt.apply([g], [w]), mode)(tf.constant(_FLOAT16_NORMALS))
+    with np.errstate(over="ignore"):
+        # NumPy rounds float64 to float16 once, correctly.
+        quotient = (_FLOAT16_NORMALS.astype(np.float64) / np.float64(np.float32(scale)))
+        reference = np.float16(0.0) - quotient.astype(np.float16)  # w = 0 - 1.0 * g
+    assert opt.step_plan.division == "divide_in_float64"
+    assert _bits(w.numpy()) == _bits(reference)
+
+
+def test_bfloat16_quotients_round_once():
+    from fractions import Fraction
+
+    bfloat16 = tf.bfloat16.as_numpy_dtype
+    values = np.arange(0x3F00, 0x4700, 7, dtype=np.uint16).view(bfloat16)  # 0.5 to ~32768
+    scale = np.float32(0.3)
+    w = keras.Variable(np.zeros(values.shape), dtype="bfloat16", name="w")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0), tfdls.FixedLossScale(0.3))
+    tf.function(lambda g: opt.apply([g], [w]))(tf.constant(values))
+    got = -np.asarray(w.numpy(), np.float64)
+    for value, mine in zip(values, got):
+        exact = Fraction(float(value)) / Fraction(float(scale))
+        below = bfloat16(float(np.float32(float(exact))))
+        candidates = [below, np.nextafter(below, bfloat16(0)), np.nextafter(below, bfloat16(1e38))]
+        best = min(candidates, key=lambda v: (abs(Fraction(float(v)) - exact),
+                                              int(np.array(v).view(np.uint16)) & 1))
+        assert float(best) == mine, (value, mine, float(best))
+
+
+@pytest.mark.parametrize("mode", slow_except(MODES, ["function"]))
+def test_a_restored_scale_below_the_minimum_is_read_at_the_minimum(mode):
+    """A checkpoint of a scale allowed below 1 restored into one that is not: the
+    check still reads the scaled gradients, so the scale in use must stay >= 1."""
+    w = keras.Variable(np.zeros(3, "float16"), dtype="float16", name="w")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1e-3), tfdls.DynamicLossScale(1024.0))
+    opt.build([w])
+    opt.loss_scale.current_loss_scale.assign(0.25)  # as that restore would
+    assert float(opt.loss_scale().numpy()) == 1.0 and opt.step_plan is None
+    _wrap(lambda g: opt.apply([g], [w]), mode)(tf.constant([60000.0, 1.0, 1.0], tf.float16))
+    # 60000 / 1 is finite: applied, not an Inf written past the check.
+    assert np.all(np.isfinite(w.numpy().astype(np.float64)))
+    assert int(opt.loss_scale.num_skipped_steps.numpy()) == 0

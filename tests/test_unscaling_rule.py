@@ -382,3 +382,88 @@ def test_fit_after_a_stray_eager_call_trains_like_without_it():
     assert results[0][0] == results[1][0]
     for a, b in zip(results[0][1], results[1][1]):
         np.testing.assert_array_equal(a, b)
+
+
+# -- found by review: copies, cond branches, stray eager calls, overwritten values --------
+
+
+@pytest.mark.parametrize("copy", ["cast", "identity"])
+@pytest.mark.parametrize("mode", slow_except(["function", "xla"], ["function"]))
+def test_scaled_gradients_applied_after_unscaling_copies_of_them_raise(copy, mode):
+    w, opt = _setup()
+    norm = tf.Variable(0.0)
+
+    def step(scaled):
+        copies = [tf.identity(scaled) if copy == "identity" else tf.cast(scaled, tf.float32)]
+        norm.assign(tf.linalg.global_norm(opt.get_unscaled_gradients(copies)))
+        opt.apply([scaled], [w])
+
+    with pytest.raises(ValueError, match="scaled gradients that were passed"):
+        _wrap(step, mode)(_scaled())
+    _assert_untouched(w, opt)
+
+
+@pytest.mark.parametrize("mode", slow_except(["function", "xla"], ["function"]))
+def test_apply_in_both_branches_of_a_cond(mode):
+    """One branch runs: each may apply the call's outputs."""
+    for take in (True, False):
+        w, opt = _setup()
+
+        def step(scaled, clip):
+            unscaled = opt.get_unscaled_gradients([scaled])
+            if clip:  # AutoGraph: a tf.cond with an apply in each branch
+                opt.apply([tf.clip_by_norm(unscaled[0], 100.0)], [w])
+            else:
+                opt.apply(unscaled, [w])
+
+        _wrap(step, mode)(_scaled(), tf.constant(take))
+        np.testing.assert_array_equal(w.numpy(), RIGHT)
+
+
+def test_after_both_branches_another_apply_of_the_outputs_raises():
+    w, opt = _setup()
+
+    @tf.function
+    def step(scaled, now):
+        unscaled = opt.get_unscaled_gradients([scaled])
+        tf.cond(now, lambda: opt.apply(unscaled, [w]) or tf.constant(0), lambda: tf.constant(0))
+        opt.apply(unscaled, [w])
+
+    with pytest.raises(ValueError, match="already closed"):
+        step(_scaled(), tf.constant(True))
+
+
+def test_a_stray_eager_call_ended_by_a_traced_scale_loss():
+    """The traced scale_loss clears the flag; the eager apply that follows divides."""
+    w, opt = _setup()
+    opt.get_unscaled_gradients([_scaled()])  # a stray logging call
+
+    @tf.function
+    def gradients():
+        with tf.GradientTape() as tape:
+            loss = opt.scale_loss(tf.reduce_sum(w * TRUE))
+        return tape.gradient(loss, [w])
+
+    opt.apply(gradients(), [w])
+    np.testing.assert_array_equal(w.numpy(), RIGHT)
+
+
+@pytest.mark.parametrize("mode", slow_except(MODES, ["function"]))
+def test_overwrite_with_gradient_values_are_never_divided(mode):
+    w, _ = _setup()
+    value = keras.Variable(np.zeros(3, "float32"), name="value")
+    value.overwrite_with_gradient = True
+    opt = tfdls.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0), tfdls.DynamicLossScale(SCALE, increment_period=10**6)
+    )
+    opt.build([w, value])
+
+    def tf_keras_step(scaled):
+        unscaled = opt.get_unscaled_gradients([scaled, tf.constant([5.0, 6.0, 7.0])])
+        opt.apply(unscaled, [w, value])
+
+    _wrap(tf_keras_step, mode)(_scaled())
+    np.testing.assert_array_equal(w.numpy(), RIGHT)
+    np.testing.assert_array_equal(value.numpy(), [5.0, 6.0, 7.0])
+    _wrap(lambda g: opt.apply([g, tf.constant([8.0, 9.0, 10.0])], [w, value]), mode)(_scaled())
+    np.testing.assert_array_equal(value.numpy(), [8.0, 9.0, 10.0])

@@ -7,9 +7,10 @@ gradient's dtype, the value a float64 reference gives. Two ways get there:
   float32 where the scale is a power of two (``"divide"``: the quotient is
   then exact in float32 and rounds once), else to float64
   (``"divide_in_float64"``: a float32 quotient of a float16 value by a
-  float32 scale could land on a float16 rounding midpoint and round twice; a
-  float64 one cannot, its error, below 2**-53, being smaller than the
-  distance of any such quotient from a midpoint, about 2**-37). The scale of
+  float32 scale could land near a float16 rounding midpoint and round
+  twice). The float64 quotient is rounded to float32 "to odd" before the
+  cast to float16 or bfloat16, because TensorFlow and XLA cast float64 to
+  those through float32, which would round twice again. The scale of
   a `FixedLossScale` is read from a variable, so no compiler sees a constant
   divisor and rewrites ``g / c`` as ``g * (1 / c)``, which is neither
   correctly rounded nor, above 2**126 where ``1 / c`` is subnormal, nonzero.
@@ -114,15 +115,40 @@ def divide(grad, divisor, how: str):
         wide = tf.cast(grad, tf.float32) if narrow else grad
         first, second = reciprocal_factors(divisor)
         result = wide * tf.cast(first, wide.dtype) * tf.cast(second, wide.dtype)
-    elif how in ("divide", "divide_in_float64"):
-        wide_dtype = tf.float32 if how == "divide" else tf.float64
-        wide = tf.cast(grad, wide_dtype) if narrow else grad
+    elif how == "divide":
+        wide = tf.cast(grad, tf.float32) if narrow else grad
         result = wide / tf.cast(divisor, wide.dtype)
+    elif how == "divide_in_float64":
+        if not narrow:
+            return grad / tf.cast(divisor, grad.dtype)
+        quotient = tf.cast(grad, tf.float64) / tf.cast(divisor, tf.float64)
+        # TensorFlow and XLA cast float64 to float16/bfloat16 through float32,
+        # rounding twice; rounding to float32 *to odd* first makes that second
+        # rounding the correct one.
+        result = _to_float32_round_to_odd(quotient)
     else:
         raise ValueError(
             f"`how` must be 'factors', 'divide' or 'divide_in_float64'; got how={how!r}"
         )
     return tf.cast(result, grad.dtype) if narrow else result
+
+
+def _to_float32_round_to_odd(value):
+    """A float64 tensor rounded to float32 "to odd": truncated, its last bit set if inexact.
+
+    Rounding to odd to a precision of at least p + 2 bits and then to nearest
+    at p bits gives the nearest p-bit value (Boldo and Melquiond): float32's
+    24 bits cover float16 (11) and bfloat16 (8).
+    """
+    nearest = tf.cast(value, tf.float32)
+    back = tf.cast(nearest, tf.float64)
+    inexact = tf.not_equal(back, value)
+    bits = tf.bitcast(nearest, tf.int32)
+    # Rounded away from zero: step the magnitude back down, toward zero.
+    away = tf.logical_and(inexact, tf.abs(back) > tf.abs(value))
+    bits = tf.where(away, bits - 1, bits)
+    bits = tf.where(inexact, tf.bitwise.bitwise_or(bits, 1), bits)
+    return tf.bitcast(bits, tf.float32)
 
 
 def multiply(grad, factor):

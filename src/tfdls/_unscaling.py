@@ -20,8 +20,9 @@ graph of the function that calls `apply` and, through captures, of the
 functions around it), a gradient that the rule would apply wrongly is a
 `ValueError`:
 
-* computed from the scaled gradients given to `get_unscaled_gradients` other
-  than through its outputs (applying the scaled gradients after logging the
+* computed from the scaled gradients given to `get_unscaled_gradients` (or
+  from what they are copies of: an identity, a cast, a reshape) other than
+  through its outputs (applying the scaled gradients after logging the
   unscaled ones, or scaling them by a clip factor computed from the unscaled
   ones);
 * computed from the outputs of a `get_unscaled_gradients` call that an
@@ -29,7 +30,8 @@ functions around it), a gradient that the rule would apply wrongly is a
   no call pending, so that `apply` divides them again (two `apply` calls
   from one `get_unscaled_gradients` call);
 * computed, inside a loop body or a nested `tf.function`, from outputs of a
-  call outside it, which may be applied more than once;
+  call outside it, which may be applied more than once (a `tf.cond` branch
+  runs at most once: fine, also with an `apply` in each branch);
 * taken through the arguments of a nested `tf.function` (or a loop variable)
   while a call is pending in an enclosing function: tfdls cannot see them;
 * eagerly, while a call is pending, anything but the tensors it returned:
@@ -84,7 +86,13 @@ class UnscaleState(tf.Module):
 
     def check(self, grads):
         """Raises ValueError for gradients the rule would visibly apply wrongly."""
-        self._guard.check(grads)
+        self._guard.check(grads, self._flag_is_set)
+
+    def _flag_is_set(self):
+        # Eager only, and only while an eager get_unscaled_gradients call is
+        # pending: a traced scale_loss or apply may have ended that step since,
+        # which only the flag knows. (A host read, in eager code alone.)
+        return bool(self.gradients_unscaled.numpy())
 
     def consume(self):
         """In-step: whether this step's gradients are already unscaled; clears the flag."""
@@ -101,13 +109,42 @@ class UnscaleState(tf.Module):
             self.gradients_unscaled.assign(False)
 
 
+EAGER = "eager"
+
+
 @dataclasses.dataclass
 class _Call:
-    """One `get_unscaled_gradients` call: the value tensors it was given and returned."""
+    """One `get_unscaled_gradients` call: the value tensors it was given and returned.
+
+    `closers` are where a `scale_loss` or `apply` closed it: ``EAGER`` or the
+    graphs they were traced in.
+    """
 
     scaled: tuple
     unscaled: tuple
-    open: bool = True
+    closers: list = dataclasses.field(default_factory=list)
+
+    def open_for(self, viewer):
+        """Whether the call is still pending as seen from `viewer` (``EAGER`` or a graph)."""
+        return not any(_closes_for(closer, viewer) for closer in self.closers)
+
+
+def _closes_for(closer, viewer):
+    if closer is EAGER or viewer is EAGER:
+        return closer is viewer
+    if any(closer is g for g in _graph_chain(viewer)):
+        return True  # closed here or in a function around the viewer
+    # Closed in another graph: a tf.cond branch counts once its cond is built
+    # (its sibling branch, traced before that, runs instead of it, not after).
+    return not _compat.is_cond_branch(closer) or _cond_built(closer)
+
+
+def _cond_built(branch):
+    outer = getattr(branch, "outer_graph", None)
+    return outer is not None and any(
+        getattr(op, "_true_graph", None) is branch or getattr(op, "_false_graph", None) is branch
+        for op in outer.get_operations()
+    )
 
 
 def _values(grad):
@@ -152,7 +189,7 @@ class UnscaleGuard:
         if tf.executing_eagerly():
             calls = self._eager_calls()
             # Closed calls are kept only until the next call, to name stale tensors.
-            calls[:] = [c for c in calls if c.open] + [call]
+            calls[:] = [c for c in calls if c.open_for(EAGER)] + [call]
         else:
             graph = tf.compat.v1.get_default_graph()
             self._graph_calls().setdefault(graph, []).append(call)
@@ -160,26 +197,31 @@ class UnscaleGuard:
     def close(self):
         """Closes every pending call this thread can see (eager, or the graph chain)."""
         if tf.executing_eagerly():
-            calls = [self._eager_calls()]
+            closer, groups = EAGER, [self._eager_calls()]
         else:
+            closer = tf.compat.v1.get_default_graph()
             graphs = self._graph_calls()
-            calls = [graphs.get(g, []) for g in _graph_chain(tf.compat.v1.get_default_graph())]
-        for group in calls:
+            groups = [graphs.get(g, []) for g in _graph_chain(closer)]
+        for group in groups:
             for call in group:
-                call.open = False
+                call.closers.append(closer)
 
-    def check(self, grads):
+    def check(self, grads, flag_is_set):
         values = [_values(g) for g in grads if g is not None]
         if tf.executing_eagerly():
-            self._check_eager(values)
+            self._check_eager(values, flag_is_set)
         else:
             self._check_traced(values)
 
-    def _check_eager(self, values):
+    def _check_eager(self, values, flag_is_set):
         calls = self._eager_calls()
         if not calls:
             return
-        pending = [c for c in calls if c.open]
+        pending = [c for c in calls if c.open_for(EAGER)]
+        if pending and not flag_is_set():
+            for call in pending:  # a traced scale_loss or apply ended that step
+                call.closers.append(EAGER)
+            pending = []
         for value in values:
             if pending:
                 if any(value is t for c in calls for t in c.scaled):
@@ -195,13 +237,15 @@ class UnscaleGuard:
         graph = tf.compat.v1.get_default_graph()
         if not any(graphs.get(g) for g in _graph_chain(graph)):
             return
-        labels = _Labels(graphs)
+        labels = _Labels(graphs, graph)
         # With a call pending, apply divides nothing: gradients computed from
         # scaled ones are wrong, outputs of earlier (closed) calls are fine
         # (micro-batches accumulated over several calls). With none pending
         # (that this trace can see), apply divides: outputs of closed calls
         # would be divided twice, scaled gradients are right.
-        pending = any(c.open for g in _graph_chain(graph) for c in graphs.get(g, ()))
+        pending = any(
+            c.open_for(graph) for g in _graph_chain(graph) for c in graphs.get(g, ())
+        )
         errors = ("bypass", "repeat", "hidden") if pending else ("closed",)
         for value in values:
             found = labels.used_in(value, graph)
@@ -221,8 +265,9 @@ class _Labels:
     enclosing graph).
     """
 
-    def __init__(self, graph_calls):
+    def __init__(self, graph_calls, viewer):
         self._graph_calls = graph_calls
+        self._viewer = viewer
         self._by_graph = {}
 
     def of(self, tensor):
@@ -245,7 +290,9 @@ class _Labels:
     def _pending_above(self, graph):
         outer = getattr(graph, "outer_graph", None)
         return any(
-            call.open for g in _graph_chain(outer) for call in self._graph_calls.get(g, [])
+            call.open_for(self._viewer)
+            for g in _graph_chain(outer)
+            for call in self._graph_calls.get(g, [])
         )
 
     def _graph_labels(self, graph):
@@ -255,8 +302,10 @@ class _Labels:
         stops = {_key(t) for call in calls for t in call.unscaled}
         labels = {}
         for call in calls:
-            _spread(call.unscaled, "open" if call.open else "closed", labels)
-            _spread(call.scaled, "bypass", labels, stops)
+            _spread(call.unscaled, "open" if call.open_for(self._viewer) else "closed", labels)
+            # The scaled gradients given, and what they are copies of (an
+            # identity, a cast, a reshape of a tensor holds its values too).
+            _spread(_with_originals(call.scaled), "bypass", labels, stops)
         outer = getattr(graph, "outer_graph", None)
         if outer is not None and any(self._graph_calls.get(g) for g in _graph_chain(outer)):
             repeatable = not _compat.is_cond_branch(graph)
@@ -281,6 +330,28 @@ class _Labels:
         result = {key: frozenset(found) for key, found in labels.items()}
         self._by_graph[graph] = result
         return result
+
+
+# Ops whose output holds its (first) input's values, only copied or re-typed.
+_COPY_OPS = frozenset(
+    {"Identity", "IdentityN", "Snapshot", "Cast", "Reshape", "ExpandDims", "Squeeze",
+     "StopGradient", "PreventGradient", "EnsureShape"}
+)
+
+
+def _with_originals(tensors):
+    """`tensors` and the tensors they are copies of (through `_COPY_OPS`)."""
+    found, stack = [], list(tensors)
+    while stack:
+        tensor = stack.pop()
+        if any(tensor is t for t in found):
+            continue
+        found.append(tensor)
+        if tensor.op.type in _COPY_OPS and tensor.op.inputs:
+            source = tensor.op.inputs[tensor.value_index if tensor.op.type == "IdentityN" else 0]
+            if source.dtype.is_floating:
+                stack.append(source)
+    return found
 
 
 def _spread(tensors, label, labels, stops=frozenset()):

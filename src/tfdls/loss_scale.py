@@ -52,15 +52,22 @@ def _floor_to_power_of_two(value):
     return tf.bitcast(tf.bitwise.bitwise_and(bits, sign_and_exponent), tf.float32)
 
 
-def _read_scale(variable, powers_of_two):
-    """A scale variable's value; a power of two when the scale only takes powers of two.
+def _read_scale(variable, powers_of_two, minimum=None, maximum=None):
+    """A scale variable's value, as the scale's configuration allows it to be.
 
-    Such a scale's variable holds a power of two unless something else wrote
-    it (a checkpoint of a differently configured scale, an assignment): the
-    power of two below is what scales the loss and divides the gradients
-    then, so dividing by a power of two, exactly, stays right.
+    The variable holds such a value unless something else wrote it (a
+    checkpoint of a differently configured scale, an assignment). What is
+    used then, to scale the loss and to divide the gradients alike, is the
+    value clamped to ``[minimum, maximum]`` (so that a check of the scaled
+    gradients, chosen because the scale cannot fall below 1, stays right)
+    and, for a scale that only takes powers of two, the power of two below
+    it (so that dividing by a multiplication stays exact).
     """
     value = tf.convert_to_tensor(variable)
+    if minimum is not None:
+        value = tf.maximum(value, minimum)
+    if maximum is not None:
+        value = tf.minimum(value, maximum)
     return _floor_to_power_of_two(value) if powers_of_two else value
 
 
@@ -219,7 +226,9 @@ class DynamicLossScale(LossScale):
     one too (`powers_of_two`), and the scale in use is always a power of two:
     a value written into ``current_loss_scale`` from elsewhere (a checkpoint
     of a differently configured scale) is read as the power of two below it.
-    Dividing gradients by the scale is then an exact multiplication.
+    Dividing gradients by the scale is then an exact multiplication. Such a
+    value is also read clamped to ``[min_loss_scale, max_loss_scale]``: the
+    scale in use always respects the bounds.
 
     Two counters are kept for monitoring (they do not affect the algorithm):
     ``num_skipped_steps`` (total steps with non-finite gradients) and
@@ -351,7 +360,13 @@ class DynamicLossScale(LossScale):
         return tf.convert_to_tensor(self.steps_since_overflow_variable)
 
     def __call__(self) -> tf.Tensor:
-        return _read_scale(self.current_loss_scale, self._powers_of_two)
+        return self._current()
+
+    def _current(self):
+        return _read_scale(
+            self.current_loss_scale, self._powers_of_two, self._min_loss_scale,
+            self._max_loss_scale,
+        )
 
     def update(self, grads: Any) -> tuple[Any, tf.Tensor]:
         is_finite = finite.all_finite(grads, across_replicas=True)
@@ -364,7 +379,7 @@ class DynamicLossScale(LossScale):
         selected with `tf.where`, so there is no `tf.cond` (cheap under XLA,
         and safe to run in replica context under any strategy).
         """
-        s = _read_scale(self.current_loss_scale, self._powers_of_two)
+        s = self._current()
         g = tf.convert_to_tensor(self.num_good_steps)
         h = tf.convert_to_tensor(self.hysteresis_budget)
         multiplier = tf.constant(self._multiplier, tf.float32)

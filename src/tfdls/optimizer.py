@@ -71,6 +71,19 @@ def _build_loss_scale(loss_scale, keras_style):
     return loss_scale_lib.FixedLossScale(initial_scale)
 
 
+def _as_value(grad, scale, already_unscaled):
+    """The "gradient" of an `overwrite_with_gradient` variable, a value never divided.
+
+    get_unscaled_gradients, which does not know the variables, divided it
+    when the step is unscaled: multiplied back, exactly for a power-of-two
+    scale.
+    """
+    if grad is None:
+        return None
+    grad = tf.convert_to_tensor(grad)
+    return tf.where(already_unscaled, _division.multiply(grad, scale), grad)
+
+
 class BFloat16Warning(UserWarning):
     """Loss scaling a bfloat16 model: harmless, but it does nothing useful.
 
@@ -493,7 +506,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         already_unscaled = self._unscaling.consume()
         divisor = tf.where(already_unscaled, tf.ones_like(scale), scale)
         unscaled = [
-            _division.divide(g, divisor, plan.division) if d else g
+            _division.divide(g, divisor, plan.division) if d else _as_value(g, scale, already_unscaled)
             for g, d in zip(grads, plan.divide)
         ]
         checked = grads if plan.check == "scaled" else unscaled
