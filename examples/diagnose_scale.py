@@ -85,7 +85,7 @@ def save_plot(results, path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: skipping the plot (pip install 'tfdls[plot]').")
+        print("matplotlib is not installed: skipping the plot (pip install matplotlib).")
         return
     names = next(iter(results.values()))[1].names
     fig, axes = plt.subplots(2, len(names), figsize=(4 * len(names), 6), sharex=True)

@@ -39,7 +39,7 @@ def save_plot(scales, path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: skipping the plot (pip install 'tfdls[plot]').")
+        print("matplotlib is not installed: skipping the plot (pip install matplotlib).")
         return
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.semilogy(np.arange(1, len(scales) + 1), scales, drawstyle="steps-post")

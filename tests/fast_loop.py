@@ -1,8 +1,8 @@
 """Which cases the fast loop (``python -m pytest -m "not slow"``) runs.
 
 CI runs every test. The fast loop keeps, for each parametrized test, the
-cases named here and marks the others ``slow``, so that it finishes in under
-two minutes on two cores and still runs every module.
+cases named here and marks the others ``slow``, so that it finishes in a few
+minutes on two cores (README gives measured times) and still runs every module.
 """
 
 import pytest

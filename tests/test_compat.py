@@ -53,8 +53,23 @@ def test_current_versions_pass():
 
 
 def test_message_has_install_hint():
-    with pytest.raises(ImportError, match=r"pip install"):
+    with pytest.raises(ImportError, match=r"pip install") as info:
         _compat.check_versions(tensorflow_version="2.15.1")
+    message = str(info.value)
+    # tfdls is not on a package index: the hint installs from a checkout or a wheel.
+    assert 'pip install ".[cpu]"' in message
+    assert 'pip install ".[gpu]"' in message
+    assert "wheel" in message
+    assert "tfdls[" not in message
+    # TensorFlow's extras do not pin a new enough Keras; tfdls' own requirement does.
+    assert 'pip install "keras>=3.9"' in message
+
+
+def test_a_missing_private_name_asks_for_the_versions_not_a_tracker():
+    message = str(_compat._missing("keras.src.no_such_module"))
+    assert "issue tracker" not in message
+    assert "quote this message" in message
+    assert "tf.__version__, keras.__version__" in message
 
 
 def test_private_names_resolve_to_working_functions():

@@ -17,8 +17,11 @@ MIN_TENSORFLOW = (2, 16)
 MIN_KERAS = (3, 9)
 
 _INSTALL_HINT = (
-    'Install one TensorFlow build: pip install "tfdls[cpu]" (tensorflow-cpu) or '
-    'pip install "tfdls[gpu]" (tensorflow[and-cuda]); both bring a new enough Keras.'
+    "Install one TensorFlow build next to tfdls: from a checkout of tfdls, "
+    'pip install ".[cpu]" (tensorflow-cpu) or pip install ".[gpu]" (tensorflow[and-cuda]); '
+    'from a built wheel, pip install "<path to the tfdls wheel>[cpu]". TensorFlow itself '
+    "accepts older Keras releases: tfdls requires keras>={0}.{1} "
+    '(pip install "keras>={0}.{1}").'.format(*MIN_KERAS)
 )
 
 
@@ -126,8 +129,9 @@ def _missing(what, error=None):
     return ImportError(
         f"tfdls relies on {what}, which this TensorFlow/Keras installation does not "
         f"have{detail}. tfdls is tested with TensorFlow >= {MIN_TENSORFLOW[0]}."
-        f"{MIN_TENSORFLOW[1]} and Keras >= {MIN_KERAS[0]}.{MIN_KERAS[1]}; please "
-        "report the versions you use at the tfdls issue tracker."
+        f"{MIN_TENSORFLOW[1]} and Keras >= {MIN_KERAS[0]}.{MIN_KERAS[1]}; when "
+        "reporting this, quote this message and the TensorFlow and Keras versions in use "
+        "(tf.__version__, keras.__version__)."
     )
 
 
