@@ -15,6 +15,20 @@ from tfdls import gradient_stats as stats_lib
 from tfdls import loss_scale as loss_scale_lib
 
 _KERAS_STYLE_KEYWORDS = ("initial_scale", "dynamic_growth_steps", "dynamic")
+# Keras' base-optimizer keywords, at the values that mean "not set". Keras 3's
+# LossScaleOptimizer accepts them at these values (older Keras 3 configs hold
+# them, so `.keras` files may) and refuses any other value.
+_BASE_OPTIMIZER_DEFAULTS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
 # The step path has no tensor-dependent Python control flow: AutoGraph need
 # not rewrite it (as Keras' own trainer code is not), which also keeps
 # tracebacks readable.
@@ -44,6 +58,45 @@ def _check_inner_optimizer(inner_optimizer):
             f"{inner_optimizer.loss_scale_factor!r}; it would scale the loss a second "
             "time. Set loss_scale_factor=None on it and give the scale to "
             "LossScaleOptimizer(loss_scale=...) instead."
+        )
+
+
+def _is_unset(value, default):
+    if default is None or isinstance(default, bool):
+        return value is default
+    # A number (ema_momentum): by value, as Keras compares; but True is not 1.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == default
+
+
+def _check_base_optimizer_keywords(kwargs):
+    """Drops Keras' base-optimizer keywords at their defaults; raises for the rest.
+
+    ValueError, as Keras 3 raises, so that code catching Keras' error still
+    catches tfdls'.
+    """
+    for key, default in _BASE_OPTIMIZER_DEFAULTS.items():
+        if key not in kwargs:
+            continue
+        value = kwargs.pop(key)
+        if _is_unset(value, default):
+            continue
+        if key == "loss_scale_factor":
+            raise ValueError(
+                f"LossScaleOptimizer does not take loss_scale_factor={value!r}, and its "
+                "`inner_optimizer` may not have one either (the loss would be scaled "
+                f"twice); for a fixed scale give LossScaleOptimizer(loss_scale={value!r})."
+            )
+        raise ValueError(
+            f"LossScaleOptimizer does not take `{key}`; got {key}={value!r}. It is an "
+            f"option of the optimizer that applies the gradients: set {key}={value!r} "
+            "on the `inner_optimizer` (it receives the unscaled gradients)."
+        )
+    if kwargs:
+        names = "`, `".join(kwargs)  # in the order given, as Keras lists them
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise ValueError(
+            f"LossScaleOptimizer does not support arguments: `{names}` (got {given}); "
+            "options of the optimizer itself belong on the `inner_optimizer`."
         )
 
 
@@ -170,12 +223,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         **kwargs: Any,
     ):
         keras_style = {k: kwargs.pop(k) for k in _KERAS_STYLE_KEYWORDS if k in kwargs}
-        if kwargs:
-            raise TypeError(
-                f"LossScaleOptimizer got unexpected keyword arguments {sorted(kwargs)}; "
-                "optimizer options such as clipnorm or weight_decay belong on the "
-                "inner optimizer."
-            )
+        _check_base_optimizer_keywords(kwargs)
         _check_inner_optimizer(inner_optimizer)
         resolved = _build_loss_scale(loss_scale, keras_style)
         if not isinstance(overflow_attribution, bool):
