@@ -7,6 +7,7 @@ import warnings
 from typing import Any, Iterable, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfdls import _compat, _distribute, _division, _masked_update, _plan, _unscaling
@@ -701,10 +702,63 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "gradient_stats": self.record_gradient_stats,
         }
 
+    def load_own_variables(self, store: Any) -> None:
+        """Restores the state `save_own_variables` wrote, tfdls' or Keras 3's.
+
+        Keras 3's `LossScaleOptimizer` writes its iterations and learning
+        rate, its step counter and scale, then the inner optimizer's
+        variables. With a `DynamicLossScale`, such a store restores the
+        scale and the good-step count (Keras' step counter counts the same
+        steps); the hysteresis budget starts full and the monitoring
+        counters keep their values, as Keras keeps neither.
+        """
+        own = len(self._variables)
+        keras_layout = own + 2 + len(self.inner_optimizer.variables)
+        if not (
+            isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale)
+            and len(store.keys()) == keras_layout != len(self.variables)
+        ):
+            super().load_own_variables(store)
+            return
+        values = [np.asarray(store[str(i)]) for i in range(keras_layout)]
+        ls = self.loss_scale
+        for variable, value in zip(self._variables, values[:own]):
+            variable.assign(value)
+        ls.num_good_steps.assign(int(values[own]))
+        # Keras' scale has no bounds (it can reach 0 or inf); tfdls' scale
+        # stays within them, so a value outside is moved to the nearest bound.
+        scale = float(values[own + 1])
+        upper = ls.max_loss_scale or float(np.finfo(np.float32).max)
+        ls.current_loss_scale.assign(
+            ls.initial_loss_scale if np.isnan(scale) else min(max(scale, ls.min_loss_scale), upper)
+        )
+        ls.hysteresis_budget.assign(ls.hysteresis)
+        for variable, value in zip(self.inner_optimizer.variables, values[own + 2:]):
+            variable.assign(value)
+
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: dict | None = None) -> LossScaleOptimizer:
+        """Builds the optimizer from `get_config()`'s output, tfdls' or Keras 3's.
+
+        A Keras 3 `LossScaleOptimizer` config (``inner_optimizer``,
+        ``initial_scale``, ``dynamic_growth_steps``, ``name``, and the base
+        optimizer keys older Keras versions wrote at their defaults) builds
+        the equivalent tfdls optimizer, with a `DynamicLossScale` (README,
+        "Migrating", shows how to continue a `.keras` file saved with
+        Keras' class). A base key at any other value is a `ValueError`.
+        """
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
+        if "learning_rate" in config:
+            # Older Keras configs may hold the wrapper's own rate, which Keras
+            # fixes at 0 (the inner optimizer's rate is the one that acts).
+            learning_rate = config.pop("learning_rate")
+            if not _is_unset(learning_rate, 0.0):
+                raise ValueError(
+                    "LossScaleOptimizer.from_config: the config's learning_rate="
+                    f"{learning_rate!r} is not the wrapper's unused rate of 0; set "
+                    "learning_rate on the `inner_optimizer` config."
+                )
         return cls(inner, **config)
