@@ -177,8 +177,28 @@ CASES = {
         (lambda: LSO(SGD(), dynamic=False, dynamic_growth_steps=10), ValueError,
          r"dynamic_growth_steps=10"),
     ],
-    "an unknown keyword, e.g. `clipnorm=` on the wrapper": [
-        (lambda: LSO(SGD(), clipnorm=1.0), TypeError, r"clipnorm.*inner optimizer"),
+    "a Keras base-optimizer keyword on the wrapper, e.g. `clipnorm=1.0` / `use_ema=True`": [
+        (lambda: LSO(SGD(), clipnorm=1.0), ValueError,
+         r"clipnorm=1\.0 on the `inner_optimizer`"),
+        (lambda: LSO(SGD(), use_ema=True), ValueError, r"use_ema=True on the `inner_optimizer`"),
+        (lambda: LSO(SGD(), weight_decay=0.0), ValueError,
+         r"weight_decay=0\.0 on the `inner_optimizer`"),
+        (lambda: LSO(SGD(), gradient_accumulation_steps=2), ValueError,
+         r"gradient_accumulation_steps=2 on the `inner_optimizer`"),
+    ],
+    "`loss_scale_factor=` on the wrapper": [
+        (lambda: LSO(SGD(), loss_scale_factor=0.5), ValueError,
+         r"loss_scale_factor=0\.5.*loss_scale=0\.5"),
+    ],
+    "an unknown keyword, e.g. `foo=True`": [
+        (lambda: LSO(SGD(), foo=True, bar=3), ValueError,
+         r"arguments: `foo`, `bar` \(got foo=True, bar=3\)"),
+    ],
+    "`LossScaleOptimizer.from_config` of a config with a base-optimizer key set": [
+        (lambda: LSO.from_config({**LSO(SGD()).get_config(), "clipnorm": 1.0}), ValueError,
+         r"clipnorm=1\.0 on the `inner_optimizer`"),
+        (lambda: LSO.from_config({**LSO(SGD()).get_config(), "learning_rate": 0.1}),
+         ValueError, r"learning_rate=0\.1"),
     ],
     "`min_scale_policy=\"explode\"`": [
         (lambda: LSO(SGD(), min_scale_policy="explode"), ValueError,

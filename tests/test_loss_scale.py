@@ -439,7 +439,7 @@ def test_update_mixed_float_dtypes_in_one_call(nan_in, run_mode):
     assert float(ls().numpy()) == (8.0 if nan_in is None else 2.0)
 
 
-def test_update_returns_op_and_scalar_bool_in_graph():
+def test_update_returns_scalar_bools_in_graph_and_none_eagerly():
     ls = tfdls.DynamicLossScale(4.0, increment_period=1)
     seen = {}
 
@@ -447,13 +447,16 @@ def test_update_returns_op_and_scalar_bool_in_graph():
     def step(g):
         update_op, should_apply = ls.update([g])
         seen["op"], seen["apply"] = update_op, should_apply
-        return should_apply
+        return tf.identity(update_op)  # TF 2.4 code does this; an Operation fails
 
-    step(tf.constant([1.0]))
-    assert isinstance(seen["op"], tf.Operation)
+    assert bool(step(tf.constant([1.0])).numpy()) is True  # grew, as the seed says
+    assert float(ls().numpy()) == 8.0
+    assert isinstance(seen["op"], tf.Tensor)
+    assert seen["op"].dtype == tf.bool and seen["op"].shape.rank == 0
     assert seen["apply"].dtype == tf.bool and seen["apply"].shape.rank == 0
     # Eager: the update already happened; should_apply is a concrete tensor.
     update_op, should_apply = ls.update(tf.constant([np.nan]))
+    assert update_op is None
     assert should_apply.shape == () and not bool(should_apply.numpy())
 
 

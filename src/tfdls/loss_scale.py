@@ -125,9 +125,13 @@ class LossScale(tf.Module, metaclass=abc.ABCMeta):
                 `tfdls.all_finite(grads, across_replicas=True)`).
 
         Returns:
-            `(update_op, should_apply_gradients)`: the op that updated the
-            state (`None` in eager mode) and whether the gradients may be
-            applied (a scalar bool tensor, or the Python bool `True`).
+            `(update_op, should_apply_gradients)`: what updates the state
+            when evaluated in a graph (`None` in eager mode, where the update
+            has happened) and whether the gradients may be applied (a scalar
+            bool tensor, or the Python bool `True`). As in TF 2.4,
+            `DynamicLossScale` returns a scalar bool tensor as `update_op` in
+            a graph (`tf.identity` and `session.run` accept it) and
+            `FixedLossScale` returns `tf.no_op()`.
         """
 
     @abc.abstractmethod
@@ -377,7 +381,8 @@ class DynamicLossScale(LossScale):
 
         Branch-free: both outcomes are computed on a handful of scalars and
         selected with `tf.where`, so there is no `tf.cond` (cheap under XLA,
-        and safe to run in replica context under any strategy).
+        and safe to run in replica context under any strategy). Returns
+        `update`'s `update_op`.
         """
         s = self._current()
         g = tf.convert_to_tensor(self.num_good_steps)
@@ -414,7 +419,7 @@ class DynamicLossScale(LossScale):
 
         skipped = tf.convert_to_tensor(self.num_skipped_steps_variable)
         since = tf.convert_to_tensor(self.steps_since_overflow_variable)
-        return tf.group(
+        updated = tf.group(
             self.current_loss_scale.assign(tf.where(is_finite, s_finite, s_overflow)),
             self.num_good_steps.assign(tf.where(is_finite, g_finite, tf.zeros_like(g))),
             self.hysteresis_budget.assign(tf.where(is_finite, h_finite, h_overflow)),
@@ -425,6 +430,9 @@ class DynamicLossScale(LossScale):
                 tf.where(is_finite, since + 1, tf.zeros_like(since))
             ),
         )
+        # The seed's value: its nested conds return their predicates, so a
+        # finite step that reached increment_period reads True.
+        return _update_op(updated, tf.logical_and(is_finite, grow))
 
     def get_config(self) -> dict[str, Any]:
         return {
@@ -442,6 +450,21 @@ class DynamicLossScale(LossScale):
         if tf.executing_eagerly():
             args = f"current_loss_scale={float(self.current_loss_scale.numpy())}, " + args
         return f"DynamicLossScale({args})"
+
+
+def _update_op(updated: Any, value: tf.Tensor) -> tf.Tensor | None:
+    """The `update_op` TF 2.4's `DynamicLossScale.update` returns, for `updated`.
+
+    Eagerly the update has happened: None, as the seed documents. In a graph
+    (a `tf.function` or a TF1 graph) the seed returns the output of its
+    `tf.cond`, a scalar bool tensor, and TF 2.4 code passes it to
+    `tf.identity` or `session.run`, which an Operation from `tf.group`
+    cannot go through; so `value`, read after the update.
+    """
+    if tf.executing_eagerly():
+        return None
+    with tf.control_dependencies([updated]):
+        return tf.identity(value)
 
 
 def has_custom_update(loss_scale: LossScale) -> bool:

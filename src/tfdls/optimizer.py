@@ -7,6 +7,7 @@ import warnings
 from typing import Any, Iterable, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfdls import _compat, _distribute, _division, _masked_update, _plan, _unscaling
@@ -15,6 +16,20 @@ from tfdls import gradient_stats as stats_lib
 from tfdls import loss_scale as loss_scale_lib
 
 _KERAS_STYLE_KEYWORDS = ("initial_scale", "dynamic_growth_steps", "dynamic")
+# Keras' base-optimizer keywords, at the values that mean "not set". Keras 3's
+# LossScaleOptimizer accepts them at these values (older Keras 3 configs hold
+# them, so `.keras` files may) and refuses any other value.
+_BASE_OPTIMIZER_DEFAULTS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
 # The step path has no tensor-dependent Python control flow: AutoGraph need
 # not rewrite it (as Keras' own trainer code is not), which also keeps
 # tracebacks readable.
@@ -44,6 +59,45 @@ def _check_inner_optimizer(inner_optimizer):
             f"{inner_optimizer.loss_scale_factor!r}; it would scale the loss a second "
             "time. Set loss_scale_factor=None on it and give the scale to "
             "LossScaleOptimizer(loss_scale=...) instead."
+        )
+
+
+def _is_unset(value, default):
+    if default is None or isinstance(default, bool):
+        return value is default
+    # A number (ema_momentum): by value, as Keras compares; but True is not 1.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == default
+
+
+def _check_base_optimizer_keywords(kwargs):
+    """Drops Keras' base-optimizer keywords at their defaults; raises for the rest.
+
+    ValueError, as Keras 3 raises, so that code catching Keras' error still
+    catches tfdls'.
+    """
+    for key, default in _BASE_OPTIMIZER_DEFAULTS.items():
+        if key not in kwargs:
+            continue
+        value = kwargs.pop(key)
+        if _is_unset(value, default):
+            continue
+        if key == "loss_scale_factor":
+            raise ValueError(
+                f"LossScaleOptimizer does not take loss_scale_factor={value!r}, and its "
+                "`inner_optimizer` may not have one either (the loss would be scaled "
+                f"twice); for a fixed scale give LossScaleOptimizer(loss_scale={value!r})."
+            )
+        raise ValueError(
+            f"LossScaleOptimizer does not take `{key}`; got {key}={value!r}. It is an "
+            f"option of the optimizer that applies the gradients: set {key}={value!r} "
+            "on the `inner_optimizer` (it receives the unscaled gradients)."
+        )
+    if kwargs:
+        names = "`, `".join(kwargs)  # in the order given, as Keras lists them
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise ValueError(
+            f"LossScaleOptimizer does not support arguments: `{names}` (got {given}); "
+            "options of the optimizer itself belong on the `inner_optimizer`."
         )
 
 
@@ -232,12 +286,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         **kwargs: Any,
     ):
         keras_style = {k: kwargs.pop(k) for k in _KERAS_STYLE_KEYWORDS if k in kwargs}
-        if kwargs:
-            raise TypeError(
-                f"LossScaleOptimizer got unexpected keyword arguments {sorted(kwargs)}; "
-                "optimizer options such as clipnorm or weight_decay belong on the "
-                "inner optimizer."
-            )
+        _check_base_optimizer_keywords(kwargs)
         _check_inner_optimizer(inner_optimizer)
         resolved = _build_loss_scale(loss_scale, keras_style)
         if not isinstance(overflow_attribution, bool):
@@ -719,10 +768,63 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "gradient_stats": self.record_gradient_stats,
         }
 
+    def load_own_variables(self, store: Any) -> None:
+        """Restores the state `save_own_variables` wrote, tfdls' or Keras 3's.
+
+        Keras 3's `LossScaleOptimizer` writes its iterations and learning
+        rate, its step counter and scale, then the inner optimizer's
+        variables. With a `DynamicLossScale`, such a store restores the
+        scale and the good-step count (Keras' step counter counts the same
+        steps); the hysteresis budget starts full and the monitoring
+        counters keep their values, as Keras keeps neither.
+        """
+        own = len(self._variables)
+        keras_layout = own + 2 + len(self.inner_optimizer.variables)
+        if not (
+            isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale)
+            and len(store.keys()) == keras_layout != len(self.variables)
+        ):
+            super().load_own_variables(store)
+            return
+        values = [np.asarray(store[str(i)]) for i in range(keras_layout)]
+        ls = self.loss_scale
+        for variable, value in zip(self._variables, values[:own]):
+            variable.assign(value)
+        ls.num_good_steps.assign(int(values[own]))
+        # Keras' scale has no bounds (it can reach 0 or inf); tfdls' scale
+        # stays within them, so a value outside is moved to the nearest bound.
+        scale = float(values[own + 1])
+        upper = ls.max_loss_scale or float(np.finfo(np.float32).max)
+        ls.current_loss_scale.assign(
+            ls.initial_loss_scale if np.isnan(scale) else min(max(scale, ls.min_loss_scale), upper)
+        )
+        ls.hysteresis_budget.assign(ls.hysteresis)
+        for variable, value in zip(self.inner_optimizer.variables, values[own + 2:]):
+            variable.assign(value)
+
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: dict | None = None) -> LossScaleOptimizer:
+        """Builds the optimizer from `get_config()`'s output, tfdls' or Keras 3's.
+
+        A Keras 3 `LossScaleOptimizer` config (``inner_optimizer``,
+        ``initial_scale``, ``dynamic_growth_steps``, ``name``, and the base
+        optimizer keys older Keras versions wrote at their defaults) builds
+        the equivalent tfdls optimizer, with a `DynamicLossScale` (README,
+        "Migrating", shows how to continue a `.keras` file saved with
+        Keras' class). A base key at any other value is a `ValueError`.
+        """
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
+        if "learning_rate" in config:
+            # Older Keras configs may hold the wrapper's own rate, which Keras
+            # fixes at 0 (the inner optimizer's rate is the one that acts).
+            learning_rate = config.pop("learning_rate")
+            if not _is_unset(learning_rate, 0.0):
+                raise ValueError(
+                    "LossScaleOptimizer.from_config: the config's learning_rate="
+                    f"{learning_rate!r} is not the wrapper's unused rate of 0; set "
+                    "learning_rate on the `inner_optimizer` config."
+                )
         return cls(inner, **config)
