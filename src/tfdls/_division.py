@@ -8,9 +8,9 @@ gradient's dtype, the value a float64 reference gives. Two ways get there:
   then exact in float32 and rounds once), else to float64
   (``"divide_in_float64"``: a float32 quotient of a float16 value by a
   float32 scale could land near a float16 rounding midpoint and round
-  twice). The float64 quotient is rounded to float32 "to odd" before the
-  cast to float16 or bfloat16, because TensorFlow and XLA cast float64 to
-  those through float32, which would round twice again. The scale of
+  twice). The float64 quotient is rounded "to odd" at float32's precision
+  before the cast to float16 or bfloat16, because TensorFlow and XLA cast
+  float64 to those through float32, which would round twice again. The scale of
   a `FixedLossScale` is read from a variable, so no compiler sees a constant
   divisor and rewrites ``g / c`` as ``g * (1 / c)``, which is neither
   correctly rounded nor, above 2**126 where ``1 / c`` is subnormal, nonzero.
@@ -123,8 +123,8 @@ def divide(grad, divisor, how: str):
             return grad / tf.cast(divisor, grad.dtype)
         quotient = tf.cast(grad, tf.float64) / tf.cast(divisor, tf.float64)
         # TensorFlow and XLA cast float64 to float16/bfloat16 through float32,
-        # rounding twice; rounding to float32 *to odd* first makes that second
-        # rounding the correct one.
+        # rounding twice; rounding *to odd* at float32's precision first makes
+        # the float32 step exact and the last rounding the correct one.
         result = _to_float32_round_to_odd(quotient)
     else:
         raise ValueError(
@@ -134,21 +134,33 @@ def divide(grad, divisor, how: str):
 
 
 def _to_float32_round_to_odd(value):
-    """A float64 tensor rounded to float32 "to odd": truncated, its last bit set if inexact.
+    """A float64 tensor rounded "to odd" at float32's precision, still float64.
 
     Rounding to odd to a precision of at least p + 2 bits and then to nearest
     at p bits gives the nearest p-bit value (Boldo and Melquiond): float32's
-    24 bits cover float16 (11) and bfloat16 (8).
+    24 bits cover float16 (11) and bfloat16 (8). The rounding is done on the
+    float64 bits with integer operations (the dropped bits are cut off and,
+    if any was set, the last kept bit is set), not by a float64 -> float32 ->
+    float64 round trip: XLA may keep "excess precision" and remove such a
+    round trip (TensorFlow 2.16's XLA does). The result is representable in
+    float32 (below float32's normal range, at its subnormals' precision), so
+    any later cast through float32 is exact there.
     """
-    nearest = tf.cast(value, tf.float32)
-    back = tf.cast(nearest, tf.float64)
-    inexact = tf.not_equal(back, value)
-    bits = tf.bitcast(nearest, tf.int32)
-    # Rounded away from zero: step the magnitude back down, toward zero.
-    away = tf.logical_and(inexact, tf.abs(back) > tf.abs(value))
-    bits = tf.where(away, bits - 1, bits)
-    bits = tf.where(inexact, tf.bitwise.bitwise_or(bits, 1), bits)
-    return tf.bitcast(bits, tf.float32)
+    bits = tf.bitcast(value, tf.int64)
+    sign = tf.bitwise.bitwise_and(bits, tf.constant(-(2**63), tf.int64))
+    magnitude = tf.bitwise.bitwise_xor(bits, sign)
+    exponent = tf.bitwise.right_shift(magnitude, 52) - 1023
+    # float64 keeps 52 fraction bits, float32 23: drop 29, and below float32's
+    # smallest normal exponent (-126) one more per binade, as its subnormals do.
+    dropped = 29 + tf.clip_by_value(-126 - exponent, 0, 23)
+    low_mask = tf.bitwise.left_shift(tf.ones_like(dropped), dropped) - 1
+    low = tf.bitwise.bitwise_and(magnitude, low_mask)
+    kept = tf.bitwise.bitwise_xor(magnitude, low)
+    sticky = tf.where(tf.not_equal(low, 0), tf.bitwise.left_shift(tf.ones_like(dropped), dropped), 0)
+    odd = tf.bitwise.bitwise_or(kept, sticky)
+    # Infinities and NaN (exponent 1024) pass unchanged.
+    odd = tf.where(tf.equal(exponent, 1024), magnitude, odd)
+    return tf.bitcast(tf.bitwise.bitwise_or(sign, odd), tf.float64)
 
 
 def multiply(grad, factor):
