@@ -4,7 +4,8 @@ with a reference of the documented contract.
 
 What is drawn (`_programs`):
 
-* the inner optimizer: every class `keras.optimizers` exports;
+* the inner optimizer: every class `keras.optimizers` exports, with or
+  without Keras' own `gradient_accumulation_steps`;
 * the loss scale: dynamic (powers of two, or not), fixed (a power of two, or
   not), or a `DynamicLossScale` subclass with its own `update`;
 * the variable dtype: float16, bfloat16, float32 or float64; a dense
@@ -57,6 +58,8 @@ pytestmark = pytest.mark.filterwarnings(
 DEEP = os.environ.get("HYPOTHESIS_PROFILE") == "deep"
 FAST_EXAMPLES = 200 if DEEP else 4
 FULL_EXAMPLES = 600 if DEEP else 30
+# pytest-timeout bounds a whole hypothesis test; a deep run takes hours.
+DEEP_TIMEOUT = pytest.mark.timeout(6 * 3600 if DEEP else 600)
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 CONTEXTS = ("eager", "function", "xla", "nested", "loop", "cross")
@@ -120,6 +123,7 @@ class Program:
     scale: Scale
     dtype: str
     steps: tuple
+    accumulation: int | None = None  # the inner optimizer's gradient_accumulation_steps
 
 
 def _values(draw, n):
@@ -157,7 +161,7 @@ def _steps(draw, dtype, optimizer, contexts=CONTEXTS):
 
 
 @st.composite
-def _programs(draw, contexts=CONTEXTS, dtypes=DTYPES, optimizers=EXPORTED):
+def _programs(draw, contexts=CONTEXTS, dtypes=DTYPES, optimizers=EXPORTED, accumulate=True):
     optimizer = draw(st.sampled_from(optimizers))
     dtype = draw(st.sampled_from(dtypes))
     kind = draw(st.sampled_from(["dynamic", "dynamic", "subclass", "fixed"]))
@@ -175,7 +179,10 @@ def _programs(draw, contexts=CONTEXTS, dtypes=DTYPES, optimizers=EXPORTED):
     steps = tuple(draw(st.lists(_steps(dtype, optimizer, contexts), min_size=1, max_size=5)))
     if kind == "fixed":  # a fixed scale never skips: no poisoned steps
         steps = tuple(dataclasses.replace(s, poison="") for s in steps)
-    return Program(optimizer, scale, dtype, steps)
+    accumulation = None
+    if accumulate and optimizer != "MultiOptimizer":  # (its sub-optimizers would each accumulate)
+        accumulation = draw(st.sampled_from([None, None, 2]))
+    return Program(optimizer, scale, dtype, steps, accumulation)
 
 
 # -- the reference --------------------------------------------------------------------
@@ -303,10 +310,14 @@ class _Run:
         with strategy.scope() if strategy else contextlib.nullcontext():
             self.variables = variables()
             self.twin_variables = variables()
+            options = {}
+            if program.accumulation:
+                options["gradient_accumulation_steps"] = program.accumulation
             self.opt = tfdls.LossScaleOptimizer(
-                make_optimizer(program.optimizer, "w", learning_rate=LR), program.scale.build()
+                make_optimizer(program.optimizer, "w", learning_rate=LR, **options),
+                program.scale.build(),
             )
-            self.twin = make_optimizer(program.optimizer, "w", learning_rate=LR)
+            self.twin = make_optimizer(program.optimizer, "w", learning_rate=LR, **options)
             self.opt.build(self.variables)
             self.twin.build(self.twin_variables)
         self.reference = _Reference(program)
@@ -530,6 +541,7 @@ _SETTINGS = dict(
 )
 
 
+@DEEP_TIMEOUT
 @settings(max_examples=FAST_EXAMPLES, **_SETTINGS)
 @given(program=_programs())
 def test_call_sequences_follow_the_contract(program):
@@ -537,6 +549,7 @@ def test_call_sequences_follow_the_contract(program):
 
 
 @pytest.mark.slow
+@DEEP_TIMEOUT
 @settings(max_examples=FULL_EXAMPLES, **_SETTINGS)
 @given(program=_programs())
 def test_call_sequences_follow_the_contract_full_budget(program):
@@ -544,14 +557,18 @@ def test_call_sequences_follow_the_contract_full_budget(program):
 
 
 # MultiOptimizer needs every variable in every apply, which Keras' bare
-# optimizers under a strategy cannot give the twin (None gradients).
+# optimizers under a strategy cannot give the twin (None gradients). Keras'
+# gradient accumulation cannot run in strategy.run under MirroredStrategy on
+# CPUs (tfdls raises, test_optimizer_mirrored.py).
 STRATEGY_PROGRAMS = _programs(
     contexts=("strategy",),
     dtypes=("float32",),
     optimizers=[name for name in EXPORTED if name != "MultiOptimizer"],
+    accumulate=False,
 )
 
 
+@DEEP_TIMEOUT
 @settings(max_examples=FAST_EXAMPLES // 2, **_SETTINGS)
 @given(program=STRATEGY_PROGRAMS)
 def test_call_sequences_under_mirrored_strategy(program, mirrored_strategy):
@@ -559,6 +576,7 @@ def test_call_sequences_under_mirrored_strategy(program, mirrored_strategy):
 
 
 @pytest.mark.slow
+@DEEP_TIMEOUT
 @settings(max_examples=FULL_EXAMPLES // 3, **_SETTINGS)
 @given(program=STRATEGY_PROGRAMS)
 def test_call_sequences_under_mirrored_strategy_full_budget(program, mirrored_strategy):

@@ -14,6 +14,7 @@ the branch-free (masked) skip: an optimizer that writes a variable behind the
 masked methods' back falls back to the cond, loudly.
 """
 
+import re
 import warnings
 
 import keras
@@ -183,11 +184,14 @@ def test_an_unknown_write_fails_the_audit_and_falls_back_loudly(monkeypatch):
     # Pretend a future Keras class wrote a variable tfdls does not know of.
     monkeypatch.setattr(_masked_update, "SUPPORTED", _masked_update.SUPPORTED | {SideCounter})
     inner = SideCounter(0.1)
-    with pytest.warns(RuntimeWarning, match=r"could not be shown to skip exactly.*writes a variable"):
+    # (The op's scope is the class name, 'SGD' in older Keras.)
+    cause = r"AssignAddVariableOp '\w+/\S+' writes a variable that is neither trainable"
+    with pytest.warns(RuntimeWarning, match=r"could not be shown to skip exactly.*" + cause):
         opt, variables, before = _poisoned_run(inner)
     # Planned masked, refused by the audit: the plan says what ran.
     assert opt.step_plan.skip == "cond"
-    assert "the audit failed" in opt.step_plan.reason and "writes a variable" in opt.step_plan.reason
+    assert "the audit failed" in opt.step_plan.reason
+    assert re.search(cause, opt.step_plan.reason), opt.step_plan.reason
     assert _bits(variables + inner.variables) == before
     assert int(inner.calls.numpy()) == 2  # the first step only (two variables)
 
@@ -220,26 +224,3 @@ def test_audit_lists_the_restored_variables():
     assert {"w", "b"} <= {name.split(":")[0].split("/")[-1] for name in audit.restored}
 
 
-@pytest.mark.parametrize(
-    "make_inner, reason",
-    [
-        (lambda: keras.optimizers.Adam(gradient_accumulation_steps=2), "accumulation"),
-        (lambda: keras.optimizers.Adam(use_ema=True, ema_overwrite_frequency=2), "ema"),
-    ],
-    ids=["accumulation", "ema-overwrite"],
-)
-def test_features_that_branch_inside_the_update_take_the_cond(make_inner, reason):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        opt, variables, before = _poisoned_run(make_inner())
-    assert opt.step_plan.skip == "cond" and reason in opt.step_plan.reason
-    assert _bits(variables + opt.inner_optimizer.variables) == before
-
-
-def test_sparse_gradients_take_the_cond():
-    variable = keras.Variable(np.ones((4, 2), "float32"), name="table")
-    opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam(), jit_compile=False)
-    step = tf.function(lambda g: opt.apply([g], [variable]))
-    sparse = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([1]), tf.constant([4, 2]))
-    step(sparse)
-    assert opt.step_plan.skip == "cond" and "sparse" in opt.step_plan.reason

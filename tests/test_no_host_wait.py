@@ -12,6 +12,11 @@ the graph-mode function's GraphDef including its function library, for
 | XLA: conditionals            | 0    | >= 1        | 0             | 0            |
 | graph: If ops / py_functions | 0/0  | >= 1 / 0    | 0 / 0         | 0 / 0        |
 
+Embedding (`tf.IndexedSlices`) gradients and Keras' own gradient
+accumulation branch (or, for Adagrad's sparse update, branch twice) inside the
+bare optimizer already; tfdls adds none to them, for every exported class, in
+graph mode (`jit_compile` "auto" and False) and under XLA.
+
 Under MirroredStrategy on two logical CPUs the minimum is one `If`: the
 strategy synchronizes replicas through `merge_call`, the skip is then a
 `tf.cond` taken in cross-replica context (see `tfdls._distribute`).
@@ -40,8 +45,8 @@ def _grads():
     return [tf.ones(s) for s in SHAPES]
 
 
-def _optimizer(kind, inner_name, variables):
-    inner = make_optimizer(inner_name, "v1")
+def _optimizer(kind, inner_name, variables, **options):
+    inner = make_optimizer(inner_name, "v1", **options)
     if kind == "bare":
         opt = inner
     elif kind == "keras3":
@@ -111,6 +116,50 @@ def test_no_conditional_in_the_compiled_step_for_more_classes(inner_name):
     variables = _variables()
     opt = _optimizer("tfdls", inner_name, variables)
     assert xla_conditionals(lambda grads: opt.apply(grads, variables), _grads()) == 0
+
+
+def _applier(opt, variables):
+    return lambda grads: opt.apply(grads, variables)
+
+
+def _embedding_step_inputs():
+    variables = [keras.Variable(np.ones((10, 4), "float32"), name="table"),
+                 keras.Variable(np.ones((4, 2), "float32"), name="v1")]
+    # An Embedding's gradient: the looked-up rows, row 1 twice.
+    grads = [tf.IndexedSlices(tf.ones([3, 4]), tf.constant([1, 3, 1]), tf.constant([10, 4])),
+             tf.ones([4, 2])]
+    return variables, grads
+
+
+STEPS = {
+    "embedding": ({}, _embedding_step_inputs),
+    "accumulation": ({"gradient_accumulation_steps": 2}, lambda: (_variables(), _grads())),
+}
+FAST_STEPS = {("Adam", "embedding"), ("Adagrad", "embedding"), ("SGD", "accumulation")}
+# MultiOptimizer: its sub-optimizers would each accumulate.
+STEP_CASES = [
+    pytest.param(name, step, marks=() if (name, step) in FAST_STEPS else pytest.mark.slow)
+    for step in STEPS
+    for name in EXPORTED
+    if not (step == "accumulation" and name == "MultiOptimizer")
+]
+
+
+@pytest.mark.parametrize("mode", ["graph-auto", "graph-jit-false", "xla"])
+@pytest.mark.parametrize("inner_name, step_name", STEP_CASES)
+def test_embedding_and_accumulation_steps_branch_only_where_keras_does(inner_name, step_name, mode):
+    options, inputs = STEPS[step_name]
+    counts = {}
+    for kind in ("bare", "tfdls_nojit" if mode == "graph-jit-false" else "tfdls"):
+        variables, grads = inputs()
+        opt = _optimizer(kind, inner_name, variables, **options)
+        step = _applier(opt, variables)
+        if mode == "xla":
+            counts[kind != "bare"] = xla_conditionals(step, grads)
+        else:
+            counts[kind != "bare"] = _counts(graph_ops(step, grads))
+    assert opt.step_plan.skip == "masked", opt.step_plan.reason
+    assert counts[True] == counts[False], counts
 
 
 @pytest.mark.parametrize("jit_compile", slow_except([False, True], [], ["graph", "xla"]))

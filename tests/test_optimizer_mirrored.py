@@ -203,3 +203,35 @@ def test_custom_loop_one_replica_nan_skips_everywhere(distributed_setup):
     assert not np.array_equal(after[0], weights_before[0][0])
     assert np.all(np.isfinite(after[0]))
     assert _loss_scale_state_per_replica(strategy, opt)[0] == [2.0**9, 2.0**9]
+
+
+# -- gradient accumulation ------------------------------------------------------------
+
+
+def _accumulating_step(strategy, opt, w):
+    return tf.function(lambda: strategy.run(lambda: opt.apply([tf.ones(2)], [w])))
+
+
+def test_gradient_accumulation_under_merge_call_raises_naming_the_setting(mirrored_strategy):
+    """Keras all-reduces accumulated gradients inside its own tf.cond, where
+    MirroredStrategy's merge_call is refused: the bare optimizer fails with
+    TensorFlow's RuntimeError; tfdls says why, before anything runs."""
+    strategy = mirrored_strategy
+    with strategy.scope():
+        w = keras.Variable([1.0, 2.0], name="w")
+        bare = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+        opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
+        bare.build([w])
+        opt.build([w])
+    with pytest.raises(RuntimeError, match="merge_call"):
+        _accumulating_step(strategy, bare, w)()
+    with pytest.raises(ValueError, match=r"SGD\(gradient_accumulation_steps=2\).*MirroredStrategy"):
+        _accumulating_step(strategy, opt, w)()
+    assert np.array_equal(w.numpy(), [1.0, 2.0]) and int(opt.iterations.numpy()) == 0
+    # Eagerly (each replica's cond runs as Python) it works, as Keras' does:
+    # scaled gradients 1 and 3 on each replica, summed over two replicas and
+    # averaged over the two micro-batches: 4.
+    scale = float(opt.loss_scale().numpy())
+    strategy.run(lambda: opt.apply([tf.constant([scale, scale])], [w]))
+    strategy.run(lambda: opt.apply([tf.constant([3 * scale, 3 * scale])], [w]))
+    np.testing.assert_allclose(w.numpy(), [1.0 - 0.1 * 4, 2.0 - 0.1 * 4], rtol=1e-6)

@@ -67,6 +67,10 @@ def _plan_of(opt, variables, mode="function"):
     return opt.step_plan
 
 
+class _OwnSGD(keras.optimizers.SGD):
+    """A user's subclass: not one of the classes the audit knows."""
+
+
 @pytest.mark.parametrize(
     "make_inner, jit_compile, skip, compiled",
     [
@@ -75,13 +79,15 @@ def _plan_of(opt, variables, mode="function"):
         (lambda: keras.optimizers.Adam(1e-2), False, "masked", False),
         # Weight decay writes the variables directly: restored, still masked.
         (lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.1), "auto", "masked", True),
-        # Gradient accumulation branches inside the update: a cond, not compiled
-        # by auto, compiled when forced.
-        (lambda: keras.optimizers.Adam(gradient_accumulation_steps=2), "auto", "cond", False),
-        (lambda: keras.optimizers.Adam(gradient_accumulation_steps=2), True, "cond", True),
+        # Keras' own accumulation cond is audited branch by branch: masked.
+        (lambda: keras.optimizers.Adam(gradient_accumulation_steps=2), "auto", "masked", True),
+        (lambda: keras.optimizers.Adam(gradient_accumulation_steps=2), False, "masked", False),
+        # A class of the user's own: a cond, not compiled by auto, compiled when forced.
+        (lambda: _OwnSGD(1e-2), "auto", "cond", False),
+        (lambda: _OwnSGD(1e-2), True, "cond", True),
     ],
     ids=["adam-auto", "sgd-auto", "adam-off", "adamw-auto", "accumulation-auto",
-         "accumulation-on"],
+         "accumulation-off", "own-class-auto", "own-class-on"],
 )
 def test_which_graph_steps_mask_and_compile(make_inner, jit_compile, skip, compiled):
     variables = _variables()
@@ -92,7 +98,7 @@ def test_which_graph_steps_mask_and_compile(make_inner, jit_compile, skip, compi
     assert (plan.skip, plan.compile) == (skip, compiled)
     assert _xla_clusters(lambda g: opt.apply(g, variables), _grad_specs()) == int(compiled)
     if skip == "cond":
-        assert "accumulation" in plan.reason
+        assert "_OwnSGD is not one of Keras' own optimizer classes" in plan.reason
 
 
 def test_plan_outside_a_graph_step():

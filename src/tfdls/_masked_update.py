@@ -34,6 +34,8 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from tfdls import _compat
+
 # Keras' optimizer classes whose updates are known to be made of the
 # operations the audit accepts; checked for every class by the test suite.
 SUPPORTED_CLASS_NAMES = (
@@ -68,6 +70,10 @@ _READ_OPS = frozenset(
 )
 # Plain whole-variable writes, which the restore undoes.
 _WRITE_OPS = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
+# Sparse writes (Keras' assign* of tf.IndexedSlices): masked, or restored.
+_SCATTER_OPS = frozenset({"ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterUpdate"})
+# Keras' own conditionals, whose branches the audit reads.
+_BRANCH_OPS = frozenset({"If", "StatelessIf"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,12 +101,6 @@ def unsupported_reason(inner_optimizer, grads):
     for opt in optimizers:
         if type(opt) not in SUPPORTED:
             return f"sub-optimizer {type(opt).__name__} is not one of Keras' own classes"
-        if opt.gradient_accumulation_steps:
-            return "gradient accumulation branches inside the update"
-        if opt.use_ema and opt.ema_overwrite_frequency:
-            return "ema_overwrite_frequency branches inside the update"
-    if any(isinstance(g, tf.IndexedSlices) for g in grads):
-        return "sparse gradients are written with scatter operations"
     return None
 
 
@@ -117,22 +117,24 @@ def _masked_writes(inner_optimizer, should_apply):
     """Within the block, writes through `assign*` take effect iff `should_apply`."""
     plain_assign = inner_optimizer.assign
 
-    def masked(combine):
+    def masked(kind):
         def write(variable, value):
             with tf.name_scope(_MASKED_SCOPE):
-                current = _read(variable)
-                new = combine(current, tf.cast(value, current.dtype))
+                tf_variable = _tf_variable(variable)
+                value = tf.cast(value, tf_variable.dtype)
+                if isinstance(value, tf.IndexedSlices):
+                    _masked_scatter(tf_variable, value, kind, should_apply)
+                    return
+                current = tf.convert_to_tensor(tf_variable)
+                new = {"assign": value, "add": current + value, "sub": current - value}[kind]
                 # where(), not a masked addend: var + 0 turns -0.0 into +0.0
                 # and flushes subnormals.
                 plain_assign(variable, tf.where(should_apply, new, current))
 
         return write
 
-    writes = {
-        "assign": masked(lambda current, value: value),
-        "assign_add": masked(lambda current, value: current + value),
-        "assign_sub": masked(lambda current, value: current - value),
-    }
+    writes = {"assign": masked("assign"), "assign_add": masked("add"),
+              "assign_sub": masked("sub")}
     # Instance attributes shadow the methods; object.__setattr__ keeps Keras'
     # tracking out of it.
     for name, fn in writes.items():
@@ -142,6 +144,36 @@ def _masked_writes(inner_optimizer, should_apply):
     finally:
         for name in writes:
             object.__delattr__(inner_optimizer, name)
+
+
+def _masked_scatter(variable, slices, kind, should_apply):
+    """A sparse write (Keras' scatter_update/add/sub) that takes effect iff `should_apply`.
+
+    Only the rows at ``slices.indices`` are read and written, never the whole
+    table. A scatter_update writes ``where(apply, new rows, current rows)``.
+    A scatter_add/sub runs as Keras runs it (duplicate indices accumulate, in
+    the same op), then writes back ``where(apply, rows after, rows before)``:
+    the rows it wrote itself when applying, their old bits (-0.0 and
+    subnormals included) when skipping.
+    """
+    indices = slices.indices
+    before = tf.gather(variable, indices)
+    if kind == "assign":
+        new = tf.where(should_apply, slices.values, before)
+        variable.scatter_update(tf.IndexedSlices(new, indices, slices.dense_shape))
+        return
+    if _compat.in_xla_context():
+        # XLA copies the whole table when a read of it precedes a scatter_add
+        # or scatter_sub in the same cluster; writing the rows just read back
+        # (a bitwise no-op) lets it update the table in place again.
+        variable.scatter_update(tf.IndexedSlices(before, indices, slices.dense_shape))
+    if kind == "add":
+        variable.scatter_add(slices)
+    else:
+        variable.scatter_sub(slices)
+    after = tf.gather(variable, indices)
+    kept = tf.where(should_apply, after, before)
+    variable.scatter_update(tf.IndexedSlices(kept, indices, slices.dense_shape))
 
 
 def _resource_key(tensor):
@@ -154,24 +186,95 @@ def _in_scope(op, scope):
     return any(part.startswith(scope) for part in op.name.split("/")[:-1])
 
 
-def _audit(graph, handles):
-    """Classifies every op on a variable; returns (failure reason or "", written keys)."""
+def _variable_name(tensor, known):
+    """A readable name for the variable a resource tensor refers to, or None.
+
+    Args:
+        tensor: a resource tensor of the traced update (or of a branch).
+        known: ``{id(eager handle): name}`` of the variables tfdls knows.
+    """
+    key, graph = _resource_key(tensor), tensor.graph
+    first_graph = graph
+    while True:
+        op = graph.get_operation_by_name(key[0])
+        if op.type == "VarHandleOp":
+            return op.get_attr("shared_name").decode() or None
+        captured = {_resource_key(i): e for e, i in getattr(graph, "captures", ())}
+        external = captured.get(key)
+        if external is None:
+            return None
+        if not tf.is_symbolic_tensor(external):  # a variable's eager handle
+            return known.get(id(external)) or _accessed_variable_name(first_graph, external)
+        key, graph = _resource_key(external), external.graph
+
+
+def _accessed_variable_name(graph, handle):
+    """The name of the variable with eager `handle` that a function read or wrote."""
+    for g in _graph_chain(graph):
+        for variable in getattr(g, "variables", ()):
+            if getattr(variable, "handle", None) is handle:
+                return variable.name
+    return None
+
+
+def _graph_chain(graph):
+    while graph is not None:
+        yield graph
+        graph = getattr(graph, "outer_graph", None)
+
+
+def _audit(graph, resolve, known):
+    """Classifies every op on a variable, looking into `tf.cond` branches.
+
+    Args:
+        graph: the graph of the traced update (or of a branch in it).
+        resolve: maps a resource tensor of `graph` to the key of a
+            variable read before the update (a snapshot), or None.
+        known: ``{id(eager handle): name}`` of the variables tfdls knows,
+            for messages.
+
+    Returns:
+        (failure reason or "", keys of the variables written directly).
+    """
     direct = []
     for op in graph.get_operations():
-        if not any(t.dtype == tf.resource for t in op.inputs):
+        resources = [t for t in op.inputs if t.dtype == tf.resource]
+        if not resources:
             continue
         if op.type in _READ_OPS or _in_scope(op, _RESTORE_SCOPE):
             continue
-        if op.type in _WRITE_OPS:
+        if op.type in _BRANCH_OPS:
+            # Keras' own conditionals (gradient accumulation, EMA overwrite):
+            # audit both branches, their inputs mapped to this graph's.
+            for branch in (op._true_graph, op._false_graph):
+                outer = {_resource_key(inner): t for inner, t in zip(branch.inputs, op.inputs[1:])}
+
+                def branch_resolve(tensor, outer=outer):
+                    external = outer.get(_resource_key(tensor))
+                    return None if external is None else resolve(external)
+
+                reason, found = _audit(branch, branch_resolve, known)
+                if reason:
+                    return f"{reason} (in a branch of {op.type} {op.name!r})", []
+                direct.extend(k for k in found if k not in direct)
+            continue
+        if op.type in _WRITE_OPS or op.type in _SCATTER_OPS:
             if _in_scope(op, _MASKED_SCOPE):
                 continue
-            key = _resource_key(op.inputs[0])
-            if key not in handles:
-                return f"{op.type} {op.name!r} writes a variable tfdls does not know", []
+            key = resolve(op.inputs[0])
+            if key is None:
+                name = _variable_name(op.inputs[0], known)
+                what = "a variable" if name is None else f"the variable {name!r}"
+                return (
+                    f"{op.type} {op.name!r} writes {what} that is neither trainable nor one "
+                    "of the inner optimizer's, so tfdls cannot restore it"
+                ), []
             if key not in direct:
                 direct.append(key)
             continue
-        return f"{op.type} {op.name!r} takes a variable", []
+        names = [_variable_name(t, known) for t in resources]
+        what = ", ".join(repr(n) if n else "an unknown variable" for n in names)
+        return f"{op.type} {op.name!r} takes {what}, which the audit cannot follow", []
     return "", direct
 
 
@@ -180,6 +283,12 @@ def apply(inner_optimizer, grads, trainable_variables, should_apply):
 
     Returns the `Audit`; when it is not exact nothing was run and the caller
     must skip another way.
+
+    The update is traced twice: first with every variable it may write read
+    beforehand, to find (by the audit) the ones it writes directly; then
+    with only those read beforehand, which is the function that runs. A read
+    of a variable written in place later (an embedding table's scatter_add)
+    would make TensorFlow copy the whole variable.
     """
     present = [i for i, g in enumerate(grads) if g is not None]
     candidates = []
@@ -187,41 +296,55 @@ def apply(inner_optimizer, grads, trainable_variables, should_apply):
         tf_variable = _tf_variable(variable)
         if all(tf_variable is not c for c in candidates):
             candidates.append(tf_variable)
-    outcome = {}
+    present_grads = [grads[i] for i in present]
+    known = {id(v.handle): v.name for v in candidates if hasattr(v, "handle")}
 
-    def masked_update(should_apply, present_grads):
-        full = [None] * len(grads)
-        for i, g in zip(present, present_grads):
-            full[i] = g
-        graph = tf.compat.v1.get_default_graph()
-        # Read every variable the update may write before it runs; each read's
-        # handle identifies its variable in the audit.
-        handles = {}
-        with tf.name_scope("tfdls_snapshot"):
-            for variable in candidates:
-                before = tf.convert_to_tensor(variable)
-                handles[_resource_key(before.op.inputs[0])] = (variable, before)
-        with _masked_writes(inner_optimizer, should_apply):
-            inner_optimizer.apply(full, trainable_variables)
-        reason, direct = _audit(graph, handles)
-        outcome["audit"] = Audit(
-            exact=not reason,
-            reason=reason,
-            restored=tuple(handles[k][0].name for k in direct) if not reason else (),
+    def trace(snapshot):
+        outcome = {}
+
+        def masked_update(should_apply, present_grads):
+            full = [None] * len(grads)
+            for i, g in zip(present, present_grads):
+                full[i] = g
+            graph = tf.compat.v1.get_default_graph()
+            # Read the variables the update may write directly before it runs;
+            # each read's handle identifies its variable in the audit.
+            handles = {}
+            with tf.name_scope("tfdls_snapshot"):
+                for variable in snapshot:
+                    before = tf.convert_to_tensor(variable)
+                    handles[_resource_key(before.op.inputs[0])] = (variable, before)
+            with _masked_writes(inner_optimizer, should_apply):
+                inner_optimizer.apply(full, trainable_variables)
+            reason, direct = _audit(
+                graph, lambda t: _resource_key(t) if _resource_key(t) in handles else None, known
+            )
+            outcome["direct"] = [handles[k][0] for k in direct]
+            outcome["audit"] = Audit(
+                exact=not reason,
+                reason=reason,
+                restored=tuple(handles[k][0].name for k in direct) if not reason else (),
+            )
+            if reason:
+                return
+            with tf.name_scope(_RESTORE_SCOPE):
+                for key in direct:
+                    variable, before = handles[key]
+                    variable.assign(
+                        tf.where(should_apply, tf.convert_to_tensor(variable), before)
+                    )
+
+        # No AutoGraph: the update is Keras code and tfdls code without tensor-
+        # dependent Python control flow.
+        function = tf.function(masked_update, autograph=False).get_concrete_function(
+            should_apply, present_grads
         )
-        if reason:
-            return
-        with tf.name_scope(_RESTORE_SCOPE):
-            for key in direct:
-                variable, before = handles[key]
-                variable.assign(tf.where(should_apply, tf.convert_to_tensor(variable), before))
+        return function, outcome
 
-    # No AutoGraph: the update is Keras code and tfdls code without tensor-
-    # dependent Python control flow.
-    update = tf.function(masked_update, autograph=False).get_concrete_function(
-        should_apply, [grads[i] for i in present]
-    )
-    audit = outcome["audit"]
-    if audit.exact:
-        update(should_apply, [grads[i] for i in present])
-    return audit
+    _, first = trace(candidates)
+    if not first["audit"].exact:
+        return first["audit"]
+    update, second = trace(first["direct"])
+    if second["audit"].exact:
+        update(should_apply, present_grads)
+    return second["audit"]

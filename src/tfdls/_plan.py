@@ -121,6 +121,8 @@ def plan_step(
         if unsupported:
             reasons.append(unsupported)
 
+    if in_function and _distribute.needs_merge_call():
+        _check_accumulation_under_merge_call(inner_optimizer)
     if jit_compile is True and in_function and not in_xla and _distribute.has_strategy():
         raise ValueError(
             "LossScaleOptimizer(jit_compile=True) cannot compile apply() on its own under "
@@ -156,3 +158,21 @@ def plan_step(
         compile=compile_apply,
         reason="; ".join(reasons),
     )
+
+
+def _check_accumulation_under_merge_call(inner_optimizer):
+    """Raises where Keras' own gradient accumulation cannot run (see below)."""
+    for opt in getattr(inner_optimizer, "optimizers", None) or [inner_optimizer]:
+        steps = getattr(opt, "gradient_accumulation_steps", None)
+        if steps:
+            # Keras all-reduces the accumulated gradients inside its own
+            # tf.cond, in replica context; TensorFlow refuses a merge_call
+            # there, and the bare optimizer fails the same way.
+            raise ValueError(
+                f"The inner {type(opt).__name__}(gradient_accumulation_steps={steps}) cannot "
+                f"run in a tf.function under {type(tf.distribute.get_strategy()).__name__}: "
+                "Keras all-reduces the accumulated gradients inside its own tf.cond, where "
+                "this strategy's merge_call is not allowed (the bare Keras optimizer fails "
+                "the same way). Accumulate gradients in your own train step, or train "
+                "without gradient_accumulation_steps under this strategy."
+            )
