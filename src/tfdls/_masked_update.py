@@ -7,7 +7,9 @@ always runs and cannot take effect on a skipped step:
 
 * every write the inner optimizer makes through its `assign`, `assign_add`
   or `assign_sub` methods (which Keras' optimizers use for their update
-  steps) becomes ``var = where(apply, new_value, var)``;
+  steps) becomes ``var = where(apply, new_value, var)``; for a sparse value
+  (`tf.IndexedSlices`, an Embedding's gradient) on the written rows only
+  (`_masked_scatter`);
 * every variable it writes any other way (its step counter, weight decay, EMA
   averages, constraints, a `MultiOptimizer`'s sub-optimizers) is read before
   the update and written back as ``where(apply, var, value_before)`` after it.
@@ -17,15 +19,16 @@ XLA fuses the selects into the update.
 
 This is used only where it can be shown exact at trace time:
 
-* the inner optimizer is exactly one of Keras' own classes (`SUPPORTED`), and
-  has no gradient accumulation or EMA overwrite (which branch internally);
-* the gradients are dense;
+* the inner optimizer is exactly one of Keras' own classes (`SUPPORTED`);
 * the inner update is traced first as a separate function and audited: every
   op that touches a variable must be a read, a masked write, or a plain
   assignment to a variable tfdls restores (the trainable variables and the
-  optimizer's own). Any other op on a variable (an unknown write, a call or
-  control flow taking a variable) fails the audit, and the caller falls back
-  to the `tf.cond`. The audited function is the one that runs.
+  optimizer's own). The branches of Keras' own conditionals (gradient
+  accumulation, EMA overwrite) are audited the same way. Any other op on a
+  variable (an unknown write, a call or a loop taking a variable) fails the
+  audit, and the caller falls back to the `tf.cond`, with a reason that names
+  the op, the variable and the cause. The audited function is the one that
+  runs.
 """
 
 import contextlib
