@@ -224,3 +224,33 @@ def test_audit_lists_the_restored_variables():
     assert {"w", "b"} <= {name.split(":")[0].split("/")[-1] for name in audit.restored}
 
 
+
+
+def test_a_multi_optimizers_sub_optimizer_writes_are_masked_not_restored():
+    """A MultiOptimizer's sub-optimizers write through their own assign
+    methods: masked in place, not snapshotted and written back whole (an
+    Embedding table would be copied on every step)."""
+    variables = _variables()
+    inner = make_optimizer("MultiOptimizer", "b", learning_rate=1e-2)
+    inner.build(variables)
+    audits = []
+    table_grad = tf.IndexedSlices(tf.ones([2, 3]), tf.constant([1, 1]), tf.constant([4, 3]))
+    tf.function(lambda g: audits.append(
+        _masked_update.apply(inner, g, variables, tf.constant(True))
+    ))([table_grad, tf.ones([3])])
+    (audit,) = audits
+    assert audit.exact, audit.reason
+    # Only the step counters are written directly.
+    assert audit.restored and all("iteration" in name for name in audit.restored), audit.restored
+
+
+@pytest.mark.parametrize("name", ["tfdls_masked_write", "tfdls_restore_sgd"])
+def test_an_optimizer_named_like_tfdls_own_scopes_is_audited_all_the_same(monkeypatch, name):
+    """The audit knows tfdls' own writes by the ops it created, not by name."""
+    monkeypatch.setattr(_masked_update, "SUPPORTED", _masked_update.SUPPORTED | {SideCounter})
+    inner = SideCounter(0.1, name=name)
+    with pytest.warns(RuntimeWarning, match="could not be shown to skip exactly"):
+        opt, variables, before = _poisoned_run(inner)
+    assert opt.step_plan.skip == "cond"
+    assert _bits(variables + inner.variables) == before
+    assert int(inner.calls.numpy()) == 2  # the skipped step did not count

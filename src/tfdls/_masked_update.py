@@ -117,36 +117,51 @@ def _read(variable):
 
 @contextlib.contextmanager
 def _masked_writes(inner_optimizer, should_apply):
-    """Within the block, writes through `assign*` take effect iff `should_apply`."""
-    plain_assign = inner_optimizer.assign
+    """Within the block, writes through `assign*` take effect iff `should_apply`.
 
-    def masked(kind):
+    Covers the optimizer and, for a `MultiOptimizer`, each sub-optimizer
+    (whose updates write through their own methods). Yields the set of the
+    ops these writes create, which the audit accepts by identity (not by
+    name, which an optimizer's own name scope could imitate).
+    """
+    own_ops = set()
+    optimizers = [inner_optimizer] + list(getattr(inner_optimizer, "optimizers", None) or [])
+
+    def masked(plain_assign, kind):
         def write(variable, value):
+            graph = tf.compat.v1.get_default_graph()
+            start = len(graph.get_operations())
             with tf.name_scope(_MASKED_SCOPE):
-                tf_variable = _tf_variable(variable)
-                value = tf.cast(value, tf_variable.dtype)
-                if isinstance(value, tf.IndexedSlices):
-                    _masked_scatter(tf_variable, value, kind, should_apply)
-                    return
-                current = tf.convert_to_tensor(tf_variable)
-                new = {"assign": value, "add": current + value, "sub": current - value}[kind]
-                # where(), not a masked addend: var + 0 turns -0.0 into +0.0
-                # and flushes subnormals.
-                plain_assign(variable, tf.where(should_apply, new, current))
+                _masked_write(plain_assign, variable, value, kind, should_apply)
+            own_ops.update(graph.get_operations()[start:])
 
         return write
 
-    writes = {"assign": masked("assign"), "assign_add": masked("add"),
-              "assign_sub": masked("sub")}
-    # Instance attributes shadow the methods; object.__setattr__ keeps Keras'
-    # tracking out of it.
-    for name, fn in writes.items():
-        object.__setattr__(inner_optimizer, name, fn)
+    for opt in optimizers:
+        plain_assign = opt.assign
+        # Instance attributes shadow the methods; object.__setattr__ keeps
+        # Keras' tracking out of it.
+        for name, kind in (("assign", "assign"), ("assign_add", "add"), ("assign_sub", "sub")):
+            object.__setattr__(opt, name, masked(plain_assign, kind))
     try:
-        yield
+        yield own_ops
     finally:
-        for name in writes:
-            object.__delattr__(inner_optimizer, name)
+        for opt in optimizers:
+            for name in ("assign", "assign_add", "assign_sub"):
+                object.__delattr__(opt, name)
+
+
+def _masked_write(plain_assign, variable, value, kind, should_apply):
+    tf_variable = _tf_variable(variable)
+    value = tf.cast(value, tf_variable.dtype)
+    if isinstance(value, tf.IndexedSlices):
+        _masked_scatter(tf_variable, value, kind, should_apply)
+        return
+    current = tf.convert_to_tensor(tf_variable)
+    new = {"assign": value, "add": current + value, "sub": current - value}[kind]
+    # where(), not a masked addend: var + 0 turns -0.0 into +0.0 and flushes
+    # subnormals.
+    plain_assign(variable, tf.where(should_apply, new, current))
 
 
 def _masked_scatter(variable, slices, kind, should_apply):
@@ -183,10 +198,6 @@ def _resource_key(tensor):
     while tensor.op.type == "Identity":
         tensor = tensor.op.inputs[0]
     return (tensor.op.name, tensor.value_index)
-
-
-def _in_scope(op, scope):
-    return any(part.startswith(scope) for part in op.name.split("/")[:-1])
 
 
 def _variable_name(tensor, known):
@@ -226,7 +237,7 @@ def _graph_chain(graph):
         graph = getattr(graph, "outer_graph", None)
 
 
-def _audit(graph, resolve, known):
+def _audit(graph, resolve, known, own_ops):
     """Classifies every op on a variable, looking into `tf.cond` branches.
 
     Args:
@@ -235,6 +246,7 @@ def _audit(graph, resolve, known):
             variable read before the update (a snapshot), or None.
         known: ``{id(eager handle): name}`` of the variables tfdls knows,
             for messages.
+        own_ops: the ops of the masked writes (see `_masked_writes`).
 
     Returns:
         (failure reason or "", keys of the variables written directly).
@@ -244,7 +256,7 @@ def _audit(graph, resolve, known):
         resources = [t for t in op.inputs if t.dtype == tf.resource]
         if not resources:
             continue
-        if op.type in _READ_OPS or _in_scope(op, _RESTORE_SCOPE):
+        if op.type in _READ_OPS:
             continue
         if op.type in _BRANCH_OPS:
             # Keras' own conditionals (gradient accumulation, EMA overwrite):
@@ -256,13 +268,13 @@ def _audit(graph, resolve, known):
                     external = outer.get(_resource_key(tensor))
                     return None if external is None else resolve(external)
 
-                reason, found = _audit(branch, branch_resolve, known)
+                reason, found = _audit(branch, branch_resolve, known, own_ops)
                 if reason:
                     return f"{reason} (in a branch of {op.type} {op.name!r})", []
                 direct.extend(k for k in found if k not in direct)
             continue
         if op.type in _WRITE_OPS or op.type in _SCATTER_OPS:
-            if _in_scope(op, _MASKED_SCOPE):
+            if op in own_ops:
                 continue
             key = resolve(op.inputs[0])
             if key is None:
@@ -317,10 +329,13 @@ def apply(inner_optimizer, grads, trainable_variables, should_apply):
                 for variable in snapshot:
                     before = tf.convert_to_tensor(variable)
                     handles[_resource_key(before.op.inputs[0])] = (variable, before)
-            with _masked_writes(inner_optimizer, should_apply):
+            with _masked_writes(inner_optimizer, should_apply) as own_ops:
                 inner_optimizer.apply(full, trainable_variables)
             reason, direct = _audit(
-                graph, lambda t: _resource_key(t) if _resource_key(t) in handles else None, known
+                graph,
+                lambda t: _resource_key(t) if _resource_key(t) in handles else None,
+                known,
+                own_ops,
             )
             outcome["direct"] = [handles[k][0] for k in direct]
             outcome["audit"] = Audit(
