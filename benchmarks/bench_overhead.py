@@ -38,9 +38,16 @@ DEFAULT_WORKLOADS = (
     Workload(24, (1024, 1024), "sgd", "xla", calls=10),
     Workload(24, (1024, 1024), "adam", "xla", calls=10),
     Workload(200, (64, 64), "adam", "xla", calls=50),
+    # Embedding-heavy: a 100000x64 table whose gradient is a tf.IndexedSlices
+    # of 2048 ids, then eight 512x512 kernels.
+    Workload(8, (512, 512), "sgdm", "graph", calls=10, table=(100_000, 64, 2048)),
+    Workload(8, (512, 512), "adam", "graph", calls=10, table=(100_000, 64, 2048)),
+    Workload(8, (512, 512), "sgdm", "xla", calls=10, table=(100_000, 64, 2048)),
+    Workload(8, (512, 512), "adam", "xla", calls=10, table=(100_000, 64, 2048)),
 )
 
 SGD_LEARNING_RATE = 0.01
+SGD_MOMENTUM = 0.9  # inner kind "sgdm"
 ADAM_LEARNING_RATE = 1e-3
 
 VARIANTS = harness.Registry()
@@ -51,9 +58,10 @@ variant = VARIANTS.variant
 
 
 def keras_inner(kind):
-    """A fresh Keras 3 optimizer of `kind` ("sgd" or "adam")."""
-    if kind == "sgd":
-        return keras.optimizers.SGD(learning_rate=SGD_LEARNING_RATE)
+    """A fresh Keras 3 optimizer of `kind` ("sgd", "sgdm" or "adam")."""
+    if kind in ("sgd", "sgdm"):
+        return keras.optimizers.SGD(learning_rate=SGD_LEARNING_RATE,
+                                    momentum=SGD_MOMENTUM if kind == "sgdm" else 0.0)
     return keras.optimizers.Adam(learning_rate=ADAM_LEARNING_RATE)
 
 
@@ -64,8 +72,9 @@ def tf_keras_inner(kind):
     whether XLA is used (tf_keras would otherwise compile each variable's
     update on GPUs, also in "graph" mode).
     """
-    if kind == "sgd":
-        return tf_keras.optimizers.SGD(learning_rate=SGD_LEARNING_RATE, jit_compile=False)
+    if kind in ("sgd", "sgdm"):
+        return tf_keras.optimizers.SGD(learning_rate=SGD_LEARNING_RATE, jit_compile=False,
+                                       momentum=SGD_MOMENTUM if kind == "sgdm" else 0.0)
     return tf_keras.optimizers.Adam(learning_rate=ADAM_LEARNING_RATE, jit_compile=False)
 
 

@@ -1,5 +1,5 @@
 """One-shot check of tfdls on an NVIDIA GPU: step overhead, fit speed, device-to-host
-copies per step and MirroredStrategy with XLA.
+copies per step, MirroredStrategy with XLA and a Transformer's fit (bench_fit.py).
 
     python benchmarks/gpu_check.py --json gpu_check.json          # on a GPU machine
     python benchmarks/gpu_check.py --allow-cpu --quick --json x.json  # same paths, tiny, CPU
@@ -35,6 +35,7 @@ import tensorflow as tf  # noqa: E402
 
 import keras  # noqa: E402
 
+import bench_fit  # noqa: E402
 import bench_overhead  # noqa: E402
 import harness  # noqa: E402
 import profile_trace  # noqa: E402
@@ -43,7 +44,7 @@ import tfdls  # noqa: E402
 
 # In the order they run: the long overhead part last, so that a run cut short
 # by a time limit still has the others (the JSON is rewritten after each part).
-PARTS = ("fit", "device_to_host", "mirrored", "overhead")
+PARTS = ("fit", "device_to_host", "mirrored", "transformer_fit", "overhead")
 LEARNING_RATE = 1e-3
 GPU_LOGICAL_MEMORY_MB = 8192  # per logical GPU of the MirroredStrategy part
 
@@ -93,12 +94,17 @@ CPU_FIT = FitSetup(features=16, hidden=32, depth=2, classes=4, batch_size=32,
 
 
 def shrink(workload):
-    """A tiny workload of the same kind, for --allow-cpu (200x64x64 -> 4x8x8)."""
+    """A tiny workload of the same kind, for --allow-cpu (200x64x64 -> 4x8x8).
+
+    An embedding table shrinks too: 100000x64, 2048 ids -> 2000x8, 32 ids.
+    """
+    rows, width, ids = workload.table or (0, 0, 0)
     return dataclasses.replace(
         workload,
         count=max(2, workload.count // 50),
         shape=tuple(max(8, d // 64) for d in workload.shape),
         calls=max(2, workload.calls // 10),
+        table=(rows // 50, max(8, width // 64), max(8, ids // 64)) if workload.table else (),
     )
 
 
@@ -251,6 +257,8 @@ def overhead_part(device, tiny, quick, workloads="", deadline=None, log=print):
         A bench_overhead report (render.py renders it).
     """
     chosen = bench_overhead.select_workloads(workloads)
+    # The embedding workloads first: the newest (issue 19), so --time-budget cuts others.
+    chosen.sort(key=lambda w: not w.table)
     if tiny:
         chosen = [shrink(w) for w in chosen]
     chosen, rounds, warmup = bench_overhead.quick_settings(chosen, quick=quick)
@@ -281,12 +289,13 @@ def overhead_part(device, tiny, quick, workloads="", deadline=None, log=print):
 
 def build_fit_models(setup, device, jit_compile):
     """One compiled, warmed-up model per optimizer of `FIT_OPTIMIZERS`, on `device`."""
-    models = {}
     dataset = synthetic_dataset(setup)
     with device_scope(device), mixed_float16():
-        for name in FIT_OPTIMIZERS:
-            models[name] = build_model(setup, name, jit_compile)
-            fit_steps(models[name], dataset, setup.warmup_steps)
+        # All models first: building one sets the global seed, which makes
+        # TensorFlow retrace (XLA: recompile) the train functions already traced.
+        models = {name: build_model(setup, name, jit_compile) for name in FIT_OPTIMIZERS}
+        for model in models.values():
+            fit_steps(model, dataset, setup.warmup_steps)
     return models, dataset
 
 
@@ -504,6 +513,8 @@ def summary(report):
     tables = render.gpu_check_markdown(report)
     if tables:
         lines += ["", tables]
+    for fit in render.fit_reports(report):
+        lines += ["", render.fit_markdown(fit)]
     mirrored = report.get("mirrored") or {}
     for name, run in (mirrored.get("runs") or {}).items():
         if not run.get("ok"):
@@ -523,7 +534,7 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="bench_overhead --quick settings and fewer fit repeats")
     parser.add_argument("--workloads", default="",
-                        help="filter of bench_overhead's default workloads (default: all six)")
+                        help="filter of bench_overhead's default workloads (default: all ten)")
     parser.add_argument("--skip", default="",
                         help="comma-separated parts to skip: " + ",".join(PARTS))
     parser.add_argument("--mirrored-timeout", type=float, default=240.0,
@@ -552,6 +563,9 @@ def part_status(name, result, seconds):
                     f"{result.get('returncode')})")
         if result.get("returncode") != 0:
             return f"ok ({seconds:.0f} s; child exit status {result['returncode']})"
+    if name == "transformer_fit" and not result.get("step_plan_masked"):
+        plan = result.get("step_plan", {})
+        return f"FAILED: tfdls step_plan.skip is {plan.get('skip')!r} ({plan.get('reason')})"
     if result.get("not_run"):
         left_out = ", ".join(result["not_run"])
         return f"ok, partial ({seconds:.0f} s): --time-budget left out {left_out}"
@@ -564,6 +578,9 @@ def run_parts(args, report, on_gpu, log):
     setup = GPU_FIT if on_gpu else CPU_FIT
     if args.quick:
         setup = dataclasses.replace(setup, repeats=max(1, setup.repeats - 1))
+    transformer = bench_fit.DEFAULT if on_gpu else bench_fit.TINY
+    if args.quick:
+        transformer = dataclasses.replace(transformer, epochs=min(3, transformer.epochs))
     fitted = {}
 
     def models():
@@ -582,6 +599,9 @@ def run_parts(args, report, on_gpu, log):
             "device_to_host": lambda: device_to_host_part(setup, device, *models(),
                                                           profile_dir, on_gpu),
             "mirrored": lambda: mirrored_part(on_gpu, args.mirrored_timeout, log),
+            # jit_compile "auto", Keras' default: XLA on a GPU, none on a CPU.
+            "transformer_fit": lambda: bench_fit.run(transformer, "auto",
+                                                     None if on_gpu else "/CPU:0", log=log),
         })
 
 

@@ -21,7 +21,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 BASELINE = "bare"  # every ratio is taken against this variant's run of the same round
-BARE_PASSES = {"sgd": 3, "adam": 7}  # full passes over the parameters of the bare update
+# Full passes over the parameters of the bare update ("sgdm": SGD with momentum 0.9).
+BARE_PASSES = {"sgd": 3, "sgdm": 5, "adam": 7}
 CHECK_PASSES = 1  # the "all gradients finite?" read
 UNSCALE_PASSES = 2  # an unfused `grad * (1/scale)`: read and write
 
@@ -31,32 +32,53 @@ UNSCALE_PASSES = 2  # an unfused `grad * (1/scale)`: read and write
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """One optimizer step to time: `count` variables of `shape`, one inner optimizer."""
+    """One optimizer step to time: `count` variables of `shape`, one inner optimizer.
 
-    count: int  # number of variables
-    shape: tuple  # shape of each variable
-    inner: str  # "sgd" or "adam"
+    With `table` = (rows, width, ids), a rows x width embedding table comes
+    first, its gradient a `tf.IndexedSlices` of `ids` random rows.
+    """
+
+    count: int  # number of dense variables
+    shape: tuple  # shape of each dense variable
+    inner: str  # "sgd", "sgdm" (SGD with momentum 0.9) or "adam"
     mode: str  # "graph" (tf.function) or "xla" (tf.function(jit_compile=True))
     calls: int = 10  # default back-to-back calls per timed round
+    table: tuple = ()  # () or (rows, width, ids): an embedding table with a sparse gradient
 
     @property
     def name(self):
         dims = "x".join(str(d) for d in self.shape)
-        return f"{self.count}x{dims}-{self.inner}-{self.mode}"
+        table = ""
+        if self.table:
+            rows, width, ids = self.table
+            table = f"emb{rows}x{width}" + (f":{ids}" if ids != TABLE_IDS else "") + "+"
+        return f"{table}{self.count}x{dims}-{self.inner}-{self.mode}"
 
     @property
     def num_elements(self):
-        return self.count * int(np.prod(self.shape))
+        """Elements of all variables."""
+        table = self.table[0] * self.table[1] if self.table else 0
+        return table + self.count * int(np.prod(self.shape))
+
+    @property
+    def grad_elements(self):
+        """Elements of all gradients (a table's: its ids' rows)."""
+        table = self.table[1] * self.table[2] if self.table else 0
+        return table + self.count * int(np.prod(self.shape))
 
 
-_WORKLOAD_SPEC = re.compile(r"^(\d+)x(\d+(?:x\d+)*)-(sgd|adam)-(graph|xla)$")
+TABLE_IDS = 2048  # ids of a table's gradient when its name does not say (emb<rows>x<width>:<ids>)
+_WORKLOAD_SPEC = re.compile(
+    r"^(?:emb(\d+)x(\d+)(?::(\d+))?\+)?(\d+)x(\d+(?:x\d+)*)-(sgdm?|adam)-(graph|xla)$"
+)
 
 
 def parse_workload(spec, calls=10):
     """Parses a full workload spec.
 
     Args:
-        spec: e.g. ``"24x1024x1024-adam-xla"``.
+        spec: e.g. ``"24x1024x1024-adam-xla"`` or ``"emb100000x64+8x512x512-sgdm-xla"``
+            (``emb<rows>x<width>[:<ids>]+``: an embedding table first; ids 2048).
         calls: default calls per timed round of the parsed workload.
 
     Returns:
@@ -65,9 +87,10 @@ def parse_workload(spec, calls=10):
     match = _WORKLOAD_SPEC.match(spec.strip().lower())
     if not match:
         return None
-    count, dims, inner, mode = match.groups()
+    rows, width, ids, count, dims, inner, mode = match.groups()
     shape = tuple(int(d) for d in dims.split("x"))
-    return Workload(int(count), shape, inner, mode, calls=calls)
+    table = (int(rows), int(width), int(ids or TABLE_IDS)) if rows else ()
+    return Workload(int(count), shape, inner, mode, calls=calls, table=table)
 
 
 def select_workloads(filters, defaults):
@@ -113,9 +136,13 @@ def memory_floor(workload, dtype):
         A dict: grad_bytes, var_bytes, bare_passes, bare_bytes, floor_fused,
         floor_unfused.
     """
-    n = workload.num_elements
-    grad_bytes = n * tf.as_dtype(dtype).size
-    var_bytes = n * 4
+    grad_bytes = workload.grad_elements * tf.as_dtype(dtype).size
+    # A table's sparse gradient: plain SGD writes only its rows; Keras' SGD
+    # with momentum and Adam update their dense slots, and so the whole table.
+    var_elements = workload.num_elements
+    if workload.table and workload.inner == "sgd":
+        var_elements = workload.grad_elements
+    var_bytes = var_elements * 4
     bare_passes = BARE_PASSES[workload.inner]
     bare_bytes = grad_bytes + (bare_passes - 1) * var_bytes  # one of them reads the gradient
     check_bytes = CHECK_PASSES * grad_bytes
@@ -266,18 +293,23 @@ def make_inputs(workload, dtype, seed=0):
     """Initial variable values (numpy float32) and gradients (tensors, on the current device).
 
     The gradients are finite random tensors passed to the step as arguments,
-    never captured, so that XLA cannot constant-fold them.
+    never captured, so that XLA cannot constant-fold them. A table's gradient
+    is a `tf.IndexedSlices` (a composite tensor, also an argument) of `ids`
+    random rows (repeats included, as in a real batch).
     """
     rng = np.random.default_rng(seed)
     np_dtype = tf.as_dtype(dtype).as_numpy_dtype
-    initial_values = [
-        (rng.standard_normal(workload.shape) * 0.1).astype(np.float32)
-        for _ in range(workload.count)
-    ]
-    grads = [
-        tf.constant(rng.standard_normal(workload.shape).astype(np_dtype))
-        for _ in range(workload.count)
-    ]
+    shapes = [workload.shape] * workload.count
+    initial_values, grads = [], []
+    if workload.table:
+        rows, width, ids = workload.table
+        initial_values.append((rng.standard_normal((rows, width)) * 0.1).astype(np.float32))
+        grads.append(tf.IndexedSlices(
+            tf.constant(rng.standard_normal((ids, width)).astype(np_dtype)),
+            tf.constant(rng.integers(0, rows, ids), tf.int32),
+            tf.constant([rows, width], tf.int32)))
+    initial_values += [(rng.standard_normal(s) * 0.1).astype(np.float32) for s in shapes]
+    grads += [tf.constant(rng.standard_normal(s).astype(np_dtype)) for s in shapes]
     return initial_values, grads
 
 

@@ -1,4 +1,5 @@
-"""Renders benchmark JSON results (bench_overhead.py, gpu_check.py) as text or markdown.
+"""Renders benchmark JSON results (bench_overhead.py, bench_fit.py, gpu_check.py) as text
+or markdown.
 
     python benchmarks/render.py results.json [more.json ...]
 
@@ -15,7 +16,7 @@ BASELINE = "bare"
 
 
 def load(path):
-    """Reads one JSON report written by bench_overhead.py or gpu_check.py."""
+    """Reads one JSON report written by bench_overhead.py, bench_fit.py or gpu_check.py."""
     with open(path) as f:
         return json.load(f)
 
@@ -28,6 +29,12 @@ def overhead_reports(report):
     if isinstance(inner, dict) and inner.get("benchmark") == "bench_overhead":
         return [inner]
     return []
+
+
+def fit_reports(report):
+    """The bench_fit reports inside `report` (a gpu_check report holds one)."""
+    inner = report.get("transformer_fit") if report.get("benchmark") == "gpu_check" else report
+    return [inner] if isinstance(inner, dict) and inner.get("benchmark") == "bench_fit" else []
 
 
 def overhead_vs_keras(result):
@@ -59,10 +66,11 @@ def _fmt(value, spec):
 def text_table(results):
     """The plain-text table: ms, ratio and [p25-p75] per variant, then the floors."""
     names = columns(results)
-    lines = [f"{'workload':<26}" + "".join(f"{n:>28}" for n in names)
+    width = max([26] + [len(r["workload"]) + 1 for r in results])
+    lines = [f"{'workload':<{width}}" + "".join(f"{n:>28}" for n in names)
              + f"{'tfdls/keras3 over':>19}"]
     for r in results:
-        row = f"{r['workload']:<26}"
+        row = f"{r['workload']:<{width}}"
         for n in names:
             v = r["variants"].get(n)
             cell = "-" if v is None else (
@@ -75,7 +83,7 @@ def text_table(results):
     for r in results:
         f = r["floor"]
         lines.append(
-            f"  {r['workload']:<26} grads {f['grad_bytes'] / 2**20:8.1f} MiB, "
+            f"  {r['workload']:<{width}} grads {f['grad_bytes'] / 2**20:8.1f} MiB, "
             f"vars {f['var_bytes'] / 2**20:8.1f} MiB, bare {f['bare_passes']} passes "
             f"({f['bare_bytes'] / 2**20:.0f} MiB); floor fused {f['floor_fused']:.3f}x, "
             f"unfused {f['floor_unfused']:.3f}x"
@@ -191,8 +199,26 @@ def gpu_check_markdown(report):
     return "\n".join(lines)
 
 
+def fit_markdown(report):
+    """The table of a bench_fit report: epoch time per optimizer and its ratio to bare."""
+    s, plan = report["settings"], report["step_plan"]
+    lines = [environment_line([report["environment"]]), "",
+             f"`fit` under mixed_float16: {s['model']}; {s['samples']} sequences of "
+             f"{s['seq_len']} tokens, batch {s['batch_size']}, jit_compile={s['jit_compile']}. "
+             f"Median of {s['epochs']} interleaved epochs after {s['warmup_epochs']} warm-up; "
+             f"tfdls step_plan.skip: {plan['skip']}"
+             + (f" ({plan['reason']})" if plan.get("reason") else "") + ".", "",
+             "| optimizer | epoch (s) | ratio to bare [p25-p75] | final loss | loss scale "
+             "| applied steps |", "|---|---:|---:|---:|---:|---:|"]
+    for name, r in report["optimizers"].items():
+        lines.append(f"| {name} | {r['ms'] / 1000:.3f} | {r['ratio']:.3f} "
+                     f"[{r['ratio_p25']:.2f}-{r['ratio_p75']:.2f}] | {r['final_loss']:.4f} "
+                     f"| {_fmt(r['loss_scale'], 'g')} | {r['applied_steps']}/{r['timed_steps']} |")
+    return "\n".join(lines)
+
+
 def markdown(reports):
-    """Markdown for any mix of bench_overhead and gpu_check reports."""
+    """Markdown for any mix of bench_overhead, bench_fit and gpu_check reports."""
     groups = {}
     for report in reports:
         for inner in overhead_reports(report):
@@ -203,6 +229,7 @@ def markdown(reports):
             section = gpu_check_markdown(report)
             if section:
                 sections.append(section)
+    sections += [fit_markdown(fit) for report in reports for fit in fit_reports(report)]
     return "\n\n".join(sections)
 
 

@@ -90,6 +90,32 @@ def test_every_available_variant_runs_and_is_verified(harness, bench, render):
     assert "2x8x8-sgd-graph" in text and "floor fused" in text
 
 
+@pytest.mark.timeout(300)
+def test_embedding_workload_takes_sparse_gradients(harness, bench):
+    import tensorflow as tf
+
+    default = harness.parse_workload("emb100000x64+8x512x512-adam-xla")
+    assert default.table == (100_000, 64, 2048) and default.inner == "adam"
+    assert default in bench.DEFAULT_WORKLOADS
+    workload = harness.parse_workload("emb300x8:16+2x8x8-sgdm-graph")
+    assert workload.name == "emb300x8:16+2x8x8-sgdm-graph"
+    assert (workload.count, workload.shape, workload.table) == (2, (8, 8), (300, 8, 16))
+    initial, grads = harness.make_inputs(workload, "float32")
+    assert [v.shape for v in initial] == [(300, 8), (8, 8), (8, 8)]
+    assert isinstance(grads[0], tf.IndexedSlices) and grads[0].values.shape == (16, 8)
+
+    # Every variant takes the IndexedSlices; the harness checks that the table
+    # (the first variable) and the last kernel changed.
+    result = harness.run_workload(workload, bench.VARIANTS, rounds=2, calls=1, warmup=2,
+                                  dtype="float16")
+    assert list(result["variants"]) == bench.available_variants()
+    _assert_sane_stats(result, rounds=2)
+    floor = result["floor"]
+    assert floor["grad_bytes"] == (16 * 8 + 2 * 64) * 2
+    assert floor["var_bytes"] == (300 * 8 + 2 * 64) * 4  # momentum: the whole table
+    assert floor["bare_passes"] == 5
+
+
 def test_registry_order_labels_and_errors(harness, bench):
     names = bench.available_variants()
     labels = bench.VARIANTS.labels()
@@ -142,12 +168,15 @@ def test_adding_a_variant_is_one_registration_and_the_harness_checks_it(harness,
 
 def test_workload_selection(bench):
     names = [w.name for w in bench.select_workloads("adam-xla")]
-    assert names == ["24x1024x1024-adam-xla", "200x64x64-adam-xla"]
+    assert names == ["24x1024x1024-adam-xla", "200x64x64-adam-xla",
+                     "emb100000x64+8x512x512-adam-xla"]
     assert [w.name for w in bench.select_workloads("")] == [
         "200x64x64-sgd-graph", "24x1024x1024-sgd-graph", "24x1024x1024-adam-graph",
         "24x1024x1024-sgd-xla", "24x1024x1024-adam-xla", "200x64x64-adam-xla",
+        "emb100000x64+8x512x512-sgdm-graph", "emb100000x64+8x512x512-adam-graph",
+        "emb100000x64+8x512x512-sgdm-xla", "emb100000x64+8x512x512-adam-xla",
     ]
-    assert [w.calls for w in bench.select_workloads("")] == [50, 10, 10, 10, 10, 50]
+    assert [w.calls for w in bench.select_workloads("")] == [50, 10, 10, 10, 10, 50] + [10] * 4
     assert [w.name for w in bench.select_workloads("3x5-adam-graph")] == ["3x5-adam-graph"]
     assert [w.name for w in bench.select_workloads("sgd-xla,sgd-xla")] == [
         "24x1024x1024-sgd-xla"
@@ -299,7 +328,7 @@ def test_gpu_check_without_gpu_stops_cleanly(gpu_check, tmp_path, capsys):
 def test_gpu_check_cpu_run_end_to_end(gpu_check, render, tmp_path, capsys):
     path = tmp_path / "gpu_check.json"
     report, status = gpu_check.main(
-        ["--force-cpu", "--quick", "--workloads", "200x64x64-sgd", "--json", str(path)]
+        ["--force-cpu", "--quick", "--workloads", "200x64x64-sgd,sgdm-graph", "--json", str(path)]
     )
     assert status == 0, report["status"]
     assert all(report["status"][p].startswith("ok") for p in gpu_check.PARTS)
@@ -328,19 +357,42 @@ def test_gpu_check_cpu_run_end_to_end(gpu_check, render, tmp_path, capsys):
 
     overhead = report["overhead"]
     assert overhead["settings"]["dtype"] == "float16"
-    assert [r["workload"] for r in overhead["results"]] == ["4x8x8-sgd-graph"]
+    # The embedding workloads run first; shrunk: a 2000x8 table, 32 ids.
+    assert [r["workload"] for r in overhead["results"]] == ["emb2000x8:32+2x8x8-sgdm-graph",
+                                                            "4x8x8-sgd-graph"]
+
+    transformer = report["transformer_fit"]
+    assert transformer["benchmark"] == "bench_fit" and transformer["settings"]["epochs"] == 2
+    assert transformer["step_plan_masked"] is True
+    assert list(transformer["optimizers"]) == ["bare", "keras3", "tfdls"]
+    for name, run in transformer["optimizers"].items():
+        assert run["ms"] > 0 and math.isfinite(run["final_loss"]), name
+        assert 0 < run["applied_steps"] <= run["timed_steps"], name
+    assert transformer["optimizers"]["bare"]["loss_scale"] is None  # really no loss scaling
+    assert transformer["optimizers"]["bare"]["ratio"] == pytest.approx(1.0)
 
     out = capsys.readouterr().out
     assert "gpu_check summary" in out and "| tfdls |" in out
     markdown = render.main([str(path)])
     assert "| 4x8x8-sgd-graph (calls " in markdown
+    assert "| emb2000x8:32+2x8x8-sgdm-graph (calls " in markdown
     assert "| tfdls | " in markdown and "DtoH copies/step" in markdown
+    assert "tfdls step_plan.skip: masked" in markdown and "| epoch (s) |" in markdown
+
+
+def test_gpu_check_flags_a_transformer_fit_without_masked_skip(gpu_check):
+    result = {"step_plan_masked": False, "step_plan": {"skip": "cond", "reason": "why"}}
+    assert gpu_check.part_status("transformer_fit", result, 1.0).startswith(
+        "FAILED: tfdls step_plan.skip is 'cond'")
+    assert gpu_check.part_status("transformer_fit", dict(result, step_plan_masked=True),
+                                 1.0).startswith("ok")
 
 
 def test_gpu_check_time_budget_leaves_the_overhead_part_out(gpu_check, tmp_path):
     path = tmp_path / "budget.json"
     report, status = gpu_check.main(
-        ["--force-cpu", "--skip", "fit,device_to_host,mirrored", "--time-budget", "0",
+        ["--force-cpu", "--skip", "fit,device_to_host,mirrored,transformer_fit",
+         "--time-budget", "0",
          "--json", str(path)]
     )
     assert status == 1
