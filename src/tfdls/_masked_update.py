@@ -95,7 +95,7 @@ class Audit:
     restored: tuple = ()
 
 
-def unsupported_reason(inner_optimizer, grads):
+def unsupported_reason(inner_optimizer):
     """Why the masked update cannot be used (static checks), or None."""
     cls = type(inner_optimizer)
     if cls not in SUPPORTED:
@@ -109,10 +109,6 @@ def unsupported_reason(inner_optimizer, grads):
 
 def _tf_variable(variable):
     return variable.value if isinstance(variable, keras.Variable) else variable
-
-
-def _read(variable):
-    return tf.convert_to_tensor(_tf_variable(variable))
 
 
 @contextlib.contextmanager

@@ -114,9 +114,7 @@ def plan_step(
             "update function cannot contain; the cond is taken in cross-replica context"
         )
     else:
-        unsupported = _masked_update.unsupported_reason(
-            inner_optimizer, [g for g in grads if g is not None]
-        )
+        unsupported = _masked_update.unsupported_reason(inner_optimizer)
         skip = "cond" if unsupported else "masked"
         if unsupported:
             reasons.append(unsupported)
