@@ -226,6 +226,7 @@ def test_audit_lists_the_restored_variables():
 
 
 
+@pytest.mark.skipif("MultiOptimizer" not in EXPORTED, reason="this Keras has no MultiOptimizer")
 def test_a_multi_optimizers_sub_optimizer_writes_are_masked_not_restored():
     """A MultiOptimizer's sub-optimizers write through their own assign
     methods: masked in place, not snapshotted and written back whole (an
