@@ -73,6 +73,15 @@ def sum_over_replicas(value):
     return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
 
 
+def max_over_replicas(value):
+    """All-reduces `value` (MAX) over the replicas; identity without a strategy."""
+    if not has_strategy():
+        return value
+    # tf.distribute reduces only SUM and MEAN: gather, then take the maximum.
+    gathered = tf.distribute.get_replica_context().all_gather(value[tf.newaxis], axis=0)
+    return tf.reduce_max(gathered, axis=0)
+
+
 def sum_of_per_replica(fn, per_replica_args):
     """In cross-replica context: `fn` on each replica's values, summed (a scalar)."""
     strategy = tf.distribute.get_strategy()

@@ -97,6 +97,53 @@ def reciprocal_factors(divisor):
     return power_of_two(first), power_of_two(second)
 
 
+def power_of_two(exponent):
+    """``2**exponent`` as float32, built from its bits, for int32 exponents in [-126, 127]."""
+    return tf.bitcast(tf.bitwise.left_shift(exponent + 127, 23), tf.float32)
+
+
+def exponent_of(power):
+    """The int32 exponent ``k`` of a float32 normal power of two ``2**k``."""
+    bits = tf.bitcast(tf.cast(power, tf.float32), tf.int32)
+    return tf.bitwise.right_shift(bits, 23) - 127
+
+
+def divide_by_power_of_two(grad, exponent, max_exponent: int):
+    """``grad / 2**exponent`` correctly rounded, for an int32 `exponent` with |exponent| <= `max_exponent`.
+
+    As `reciprocal_factors`, extended to any range: ``2**-e`` is applied in
+    ``n = ceil(|e| / 126)`` equal pieces of at most 126 (each a normal
+    float32). Once a partial product is subnormal, the pieces left divide by
+    at least 2**63, so the quotient rounds to zero either way; before, every
+    partial product is exact. For float16 and bfloat16 gradients the pieces
+    are applied in float32 and the result cast once.
+    """
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            divide_by_power_of_two(grad.values, exponent, max_exponent), grad.indices,
+            grad.dense_shape,
+        )
+    grad = tf.convert_to_tensor(grad)
+    narrow = grad.dtype in NARROW_FLOATS
+    wide = tf.cast(grad, tf.float32) if narrow else grad
+    pieces = max(1, math.ceil(max_exponent / _MAX_NORMAL_RECIPROCAL_EXPONENT))
+    exponent = tf.cast(exponent, tf.int32)
+    if pieces == 1:
+        result = wide * tf.cast(power_of_two(-exponent), wide.dtype)
+    else:
+        # n pieces in use: ceil(|e| / 126), at least 1; the first `extra` get one more.
+        size = tf.abs(exponent)
+        used = tf.maximum((size + _MAX_NORMAL_RECIPROCAL_EXPONENT - 1) // _MAX_NORMAL_RECIPROCAL_EXPONENT, 1)
+        share = size // used
+        extra = size - share * used
+        sign = tf.where(exponent < 0, -1, 1)
+        result = wide
+        for i in range(pieces):
+            piece = tf.where(i < used, share + tf.cast(i < extra, tf.int32), 0)
+            result = result * tf.cast(power_of_two(-sign * piece), wide.dtype)
+    return tf.cast(result, grad.dtype) if narrow else result
+
+
 def divide(grad, divisor, how: str):
     """``grad / divisor`` correctly rounded to ``grad``'s dtype.
 

@@ -48,6 +48,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
     ``gradient_stats/<variable>/headroom_bits``, ``.../zero_fraction``,
     ``.../subnormal_fraction``).
 
+    With scale boundaries (``LossScaleOptimizer(..., scale_boundaries=model)``)
+    it adds ``boundary_factor/<boundary name>``: each `tfdls.ScaleBoundary`'s
+    current factor.
+
     Device values are read only at the logging frequency: every `update_freq`
     batches, and at the end of each epoch. At the same points it applies the
     optimizer's `min_scale_policy` (`check_min_scale_policy()`), so with
@@ -106,6 +110,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if hasattr(loss_scale, "num_skipped_steps"):
             values["skipped_steps"] = int(loss_scale.num_skipped_steps.numpy())
             values["steps_since_overflow"] = int(loss_scale.steps_since_overflow.numpy())
+        for name, factor in optimizer.scale_boundary_factors().items():
+            values[f"boundary_factor/{name}"] = factor
         per_variable = {}
         if optimizer.record_gradient_stats:
             stats = optimizer.gradient_stats()

@@ -53,16 +53,20 @@ class GradientStats:
             NaN before the first finite step.
         zero_fraction: fraction of elements exactly 0.
         subnormal_fraction: fraction nonzero but below 2**-14 in magnitude.
+        boundary_factor: the product of the factors of the
+            `tfdls.ScaleBoundary` layers above the variable, which its scaled
+            gradient carried on top of the loss scale (1 without boundaries).
 
     Example:
 
     >>> tfdls.GradientStats(headroom_bits=0.3, zero_fraction=0.0, subnormal_fraction=0.25)
-    GradientStats(headroom_bits=0.3, zero_fraction=0.0, subnormal_fraction=0.25)
+    GradientStats(headroom_bits=0.3, zero_fraction=0.0, subnormal_fraction=0.25, boundary_factor=1.0)
     """
 
     headroom_bits: float
     zero_fraction: float
     subnormal_fraction: float
+    boundary_factor: float = 1.0
 
 
 def tensor_stats(values, factors=None):
@@ -182,7 +186,7 @@ class GradientStatsRecord(tf.Module):
         super().__init__(name="gradient_stats_record")
         self.variable_names = tuple(variable_names)
         self.figures = state_variable(
-            "gradient_stats", np.full([3, len(self.variable_names)], np.nan, np.float32),
+            "gradient_stats", np.full([4, len(self.variable_names)], np.nan, np.float32),
             tf.float32,
         )
 

@@ -376,13 +376,21 @@ class DynamicLossScale(LossScale):
         is_finite = finite.all_finite(grads, across_replicas=True)
         return self.update_from_decision(is_finite), is_finite
 
-    def update_from_decision(self, is_finite: tf.Tensor) -> Any:
+    def update_from_decision(self, is_finite: tf.Tensor, shrink: tf.Tensor | None = None) -> Any:
         """Advances the state machine given an already-agreed finiteness flag.
 
         Branch-free: both outcomes are computed on a handful of scalars and
         selected with `tf.where`, so there is no `tf.cond` (cheap under XLA,
         and safe to run in replica context under any strategy). Returns
         `update`'s `update_op`.
+
+        Args:
+            is_finite: whether every gradient was finite (on every replica).
+            shrink: for a non-finite step, whether the overflow is the global
+                scale's to answer (the default): False when a
+                `tfdls.ScaleBoundary` lowered its factor instead. Such a step
+                still counts as skipped and resets the good-step count, but
+                leaves the scale and the hysteresis budget.
         """
         s = self._current()
         g = tf.convert_to_tensor(self.num_good_steps)
@@ -416,6 +424,9 @@ class DynamicLossScale(LossScale):
             shrunk = s * tf.constant(self._backoff_factor, tf.float32)
         shrunk = tf.maximum(shrunk, self._min_loss_scale)
         s_overflow = tf.where(tf.equal(h_overflow, 0), shrunk, s)
+        if shrink is not None:
+            s_overflow = tf.where(shrink, s_overflow, s)
+            h_overflow = tf.where(shrink, h_overflow, h)
 
         skipped = tf.convert_to_tensor(self.num_skipped_steps_variable)
         since = tf.convert_to_tensor(self.steps_since_overflow_variable)

@@ -11,6 +11,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdls import _compat, _distribute, _division, _masked_update, _plan, _unscaling
+from tfdls import _boundary_scales
+from tfdls import boundaries as boundaries_lib
 from tfdls import finite, overflow
 from tfdls import gradient_stats as stats_lib
 from tfdls import loss_scale as loss_scale_lib
@@ -233,6 +235,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             `tfdls.gradient_stats`). Off by default: it reads every gradient
             a few more times (on XLA's CPU backend about three more passes,
             see README's benchmark). No host call.
+        scale_boundaries: a Sequential or functional model holding
+            `tfdls.ScaleBoundary` layers (see `tfdls.add_scale_boundaries`):
+            each variable's gradient is then divided by the loss scale times
+            the factors of the boundaries between its layer and the outputs,
+            and the optimizer adapts those factors (`tfdls.boundaries`).
+            Needs a `DynamicLossScale` whose values are powers of two. Not
+            part of `get_config`: after loading a saved model, give it again
+            with `set_scale_boundaries(model)` (until then `apply` raises).
 
     Attributes:
         inner_optimizer: the wrapped Keras optimizer.
@@ -283,6 +293,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         min_scale_policy: str = "warn",
         jit_compile: bool | str = "auto",
         gradient_stats: bool = False,
+        scale_boundaries: keras.Model | None = None,
         **kwargs: Any,
     ):
         keras_style = {k: kwargs.pop(k) for k in _KERAS_STYLE_KEYWORDS if k in kwargs}
@@ -321,6 +332,43 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._stats: stats_lib.GradientStatsRecord | None = None
         self._fallback_warned = False
         self.step_plan = None
+        # Scale boundaries (see `set_scale_boundaries`): the model's map, and
+        # the per-step arithmetic made by build().
+        self._boundary_map: boundaries_lib.BoundaryMap | None = None
+        self._boundary_scales: _boundary_scales.BoundaryScales | None = None
+        self._boundaries_expected = False
+        if scale_boundaries is not None:
+            self.set_scale_boundaries(scale_boundaries)
+
+    def set_scale_boundaries(self, model: keras.Model) -> None:
+        """Reads `model`'s `tfdls.ScaleBoundary` layers: the boundaries above each variable.
+
+        Call it once, before the first `apply` (the constructor's
+        ``scale_boundaries=model`` does), or after loading a model saved with
+        scale boundaries. Raises `ValueError` for a model whose paths mix
+        boundaries (see `tfdls.boundaries.read_boundaries`) and for a loss
+        scale that is not a `DynamicLossScale` of powers of two.
+        """
+        ls = self.loss_scale
+        if type(ls) is not loss_scale_lib.DynamicLossScale or not ls.powers_of_two:
+            raise ValueError(
+                "scale_boundaries needs a tfdls.DynamicLossScale whose values are powers "
+                f"of two (every factor is one, and overflows must be able to skip a step); "
+                f"got loss_scale={ls!r}"
+            )
+        boundary_map = boundaries_lib.read_boundaries(model)
+        self._boundary_map = boundary_map
+        self._boundaries_expected = True
+        if self.built:
+            self._boundary_scales = _boundary_scales.BoundaryScales(
+                boundary_map, self._trainable_variables
+            )
+
+    def scale_boundary_factors(self) -> dict[str, float]:
+        """``{boundary name: factor}`` now (a host read); empty without scale boundaries."""
+        if self._boundary_map is None:
+            return {}
+        return {b.name: b.factor() for b in self._boundary_map.boundaries}
 
     # -- the loss scale, as Keras 3 and tf_keras name it ---------------------------
 
@@ -394,6 +442,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._overflow = overflow.OverflowRecord(
                 names, self.overflow_attribution, self._min_scale_policy, self._stats
             )
+            if self._boundary_map is not None:
+                self._boundary_scales = _boundary_scales.BoundaryScales(
+                    self._boundary_map, var_list
+                )
 
     # -- scaling ----------------------------------------------------------------
 
@@ -406,6 +458,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         no longer counts.
         """
         self._unscaling.begin_step()
+        # A new step: boundaries an earlier eager gradient crossed no longer count.
+        boundaries_lib.seen.clear_eager()
         return keras.ops.multiply(loss, self.loss_scale())
 
     def get_scaled_loss(self, loss: Any) -> Any:
@@ -415,7 +469,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self.scale_loss(loss)
 
     @_NOT_CONVERTED
-    def get_unscaled_gradients(self, grads: Iterable[Any]) -> list[Any]:
+    def get_unscaled_gradients(
+        self, grads: Iterable[Any], trainable_variables: Sequence[Any] | None = None
+    ) -> list[Any]:
         """Divides gradients by the scale (tf_keras style), exactly.
 
         The unscaling rule: `apply` (and `apply_gradients`) divides every
@@ -434,6 +490,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         `tf.function`, outputs of a call made outside it; and, in eager mode,
         applying anything but the tensors this returned. To only look at
         unscaled values (logging), divide by `loss_scale()` yourself.
+
+        With `scale_boundaries`, pass the variables too
+        (``trainable_variables``, in the order of `grads`): each gradient is
+        divided by the loss scale times its boundaries' factors.
 
         Example:
 
@@ -457,9 +517,55 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         how = _division.method(
             _division.scale_is_power_of_two(self.loss_scale), _compat.in_xla_context()
         )
-        unscaled = [None if g is None else _division.divide(g, scale, how) for g in grads]
+        if self._boundary_map is None:
+            unscaled = [None if g is None else _division.divide(g, scale, how) for g in grads]
+        else:
+            if trainable_variables is None or len(list(trainable_variables)) != len(grads):
+                raise ValueError(
+                    "With scale_boundaries, get_unscaled_gradients needs the variables of "
+                    "the gradients (each is divided by its own boundaries' factors): pass "
+                    "trainable_variables=[...] in the order of grads; got "
+                    f"trainable_variables={trainable_variables!r}"
+                )
+            variables = list(trainable_variables)
+            if not self.built:
+                with keras.name_scope(self.name, caller=self):
+                    self.build(variables)
+                self.built = True
+            exponents = self._boundary_exponents(scale, tf.constant(False), variables)
+            unscaled = [
+                None if g is None
+                else _division.divide(g, scale, how) if e is None
+                else _division.divide_by_power_of_two(g, e, self._max_exponent())
+                for g, e in zip(grads, exponents)
+            ]
         self._unscaling.record_unscaled(grads, unscaled)
         return unscaled
+
+    def _max_exponent(self):
+        """A static bound of |log2(loss scale * boundary factors)|."""
+        depth = len(self._boundary_map.boundaries) if self._boundary_map else 0
+        return 128 + max(abs(boundaries_lib.MIN_LOG2_FACTOR), boundaries_lib.MAX_LOG2_FACTOR) * depth
+
+    def _boundary_exponents(self, divisor, already_unscaled, trainable_variables, totals=None):
+        """Per variable: the int32 exponent to divide its gradient by, or None (no boundary above it).
+
+        ``log2(divisor) + T``, T the sum of the exponents of the boundaries
+        above the variable; 0 where the gradients are already unscaled.
+        """
+        scales = self._boundary_scales
+        if totals is None:
+            totals = scales.totals(scales.exponents())
+        base = _division.exponent_of(divisor)
+        found = []
+        for variable in trainable_variables:
+            segment = scales.segment_of[self._get_variable_index(variable)]
+            if segment == 0:
+                found.append(None)
+                continue
+            total = base + tf.cast(totals[segment], tf.int32)
+            found.append(tf.where(already_unscaled, tf.zeros_like(total), total))
+        return found
 
     # -- applying -----------------------------------------------------------------
 
@@ -479,6 +585,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             if not grads:
                 return
             self._unscaling.check(grads)
+            self._check_boundaries_seen()
             plan = self._plan(grads, trainable_variables)
             self.step_plan = plan
             if plan.compile:
@@ -487,6 +594,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 self._step(plan, grads, trainable_variables)
         finally:
             self._unscaling.end_step()
+            boundaries_lib.seen.clear_eager()
+
+    def _check_boundaries_seen(self):
+        """Refuses gradients that crossed scale boundaries this optimizer was not given."""
+        if self._boundaries_expected and self._boundary_map is None:
+            raise ValueError(
+                "tfdls: this optimizer was saved with scale boundaries; give it the model "
+                "again with optimizer.set_scale_boundaries(model) before training."
+            )
+        seen = boundaries_lib.seen.visible()
+        known = () if self._boundary_map is None else self._boundary_map.boundaries
+        unknown = sorted({b.name for b in seen if not any(b is k for k in known)})
+        if unknown:
+            raise ValueError(
+                f"tfdls: the gradients crossed the scale boundaries {unknown}, which this "
+                "optimizer was not given, so it cannot divide out their factors. Give it "
+                "the model: LossScaleOptimizer(..., scale_boundaries=model), or "
+                "optimizer.set_scale_boundaries(model) after loading a saved model."
+            )
 
     def _arguments(self, grads, trainable_variables):
         grads = list(grads)
@@ -554,19 +680,45 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # already divided this step's gradients.
         already_unscaled = self._unscaling.consume()
         divisor = tf.where(already_unscaled, tf.ones_like(scale), scale)
+        boundary = None
+        if self._boundary_scales is not None:
+            # The boundaries' exponents of this step, read once, before the
+            # update changes them: the gradients were scaled by these.
+            exponents = self._boundary_scales.exponents()
+            totals = self._boundary_scales.totals(exponents)
+            boundary = (exponents, totals, already_unscaled)
+            per_variable = self._boundary_exponents(
+                divisor, already_unscaled, trainable_variables, totals
+            )
+        else:
+            per_variable = [None] * len(grads)
         unscaled = [
-            _division.divide(g, divisor, plan.division) if d else _as_value(g, scale, already_unscaled)
-            for g, d in zip(grads, plan.divide)
+            _as_value(g, scale, already_unscaled) if not d
+            else _division.divide(g, divisor, plan.division) if e is None
+            else _division.divide_by_power_of_two(g, e, self._max_exponent())
+            for g, d, e in zip(grads, plan.divide, per_variable)
         ]
         checked = grads if plan.check == "scaled" else unscaled
-        should_apply = self._update_loss_scale(checked, unscaled, trainable_variables, scale)
+        should_apply = self._update_loss_scale(
+            checked, unscaled, trainable_variables, scale, grads, boundary
+        )
         if self._stats is not None:
             # Figures of the scaled gradients: the gradients as given, times
             # the scale where get_unscaled_gradients divided them.
             factor = tf.where(already_unscaled, scale, tf.ones_like(scale))
             factors = [factor if d else None for d in plan.divide]
+            boundary_factors = [None] * len(grads)
+            if boundary is not None:
+                for i, variable in enumerate(trainable_variables):
+                    segment = self._boundary_scales.segment_of[self._get_variable_index(variable)]
+                    if segment:
+                        boundary_factors[i] = tf.pow(2.0, totals[segment])
+                        if factors[i] is not None:
+                            factors[i] = factor * tf.where(
+                                already_unscaled, boundary_factors[i], 1.0
+                            )
             self._record_gradient_stats(grads, factors, checked, trainable_variables,
-                                        should_apply)
+                                        should_apply, boundary_factors)
         if should_apply is True:
             self.inner_optimizer.apply(unscaled, trainable_variables)
             return
@@ -583,8 +735,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._warn_fallback(audit.reason)
         _distribute.apply_if(should_apply, self.inner_optimizer.apply, (unscaled, trainable_variables))
 
-    def _update_loss_scale(self, checked, unscaled, trainable_variables, scale):
-        """Decides whether this step applies (replica-agreed) and steps the scale."""
+    def _update_loss_scale(self, checked, unscaled, trainable_variables, scale, grads=None,
+                           boundary=None):
+        """Decides whether this step applies (replica-agreed) and steps the scale.
+
+        With scale boundaries (`boundary`: this step's exponents, segment
+        totals and unscaled flag) also adapts their factors.
+        """
         loss_scale = self.loss_scale
         if isinstance(loss_scale, loss_scale_lib.FixedLossScale):
             return True
@@ -601,14 +758,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         counts = finite.nonfinite_counts(
             finite.gradient_values([checked[i] for i in present]), across_replicas=True
         )
+        positions = [self._get_variable_index(trainable_variables[i]) for i in present]
+        global_shrinks = None
         if custom:
             # The custom decision, made the same on every replica.
             vetoes = tf.cast(tf.logical_not(should_apply), tf.float32)
             is_finite = tf.equal(_distribute.sum_over_replicas(vetoes), 0.0)
         else:
             is_finite = tf.equal(tf.reduce_sum(counts), 0.0)
-            loss_scale.update_from_decision(is_finite)
-        positions = [self._get_variable_index(trainable_variables[i]) for i in present]
+            if boundary is not None:
+                global_shrinks = self._update_boundaries(
+                    boundary, is_finite, counts, [grads[i] for i in present], positions, scale
+                )
+            loss_scale.update_from_decision(is_finite, shrink=global_shrinks)
         num_variables = len(self._trainable_variables)
         if positions == list(range(num_variables)):
             mask = counts > 0
@@ -620,11 +782,34 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             stuck = tf.constant(False)
         else:
             stuck = tf.logical_and(tf.logical_not(is_finite), scale <= min_loss_scale)
+            if global_shrinks is not None:
+                stuck = tf.logical_and(stuck, global_shrinks)
         self._overflow.record(is_finite, mask, tf.cast(self.iterations, tf.int64), stuck)
         return is_finite
 
+    def _update_boundaries(self, boundary, is_finite, counts, present_grads, positions, scale):
+        """The scale boundaries' step; returns whether the global scale answers an overflow."""
+        exponents, totals, already_unscaled = boundary
+        scales = self._boundary_scales
+        # Largest magnitude of each gradient as given (max(max, -min): plain
+        # reductions), the same on every replica.
+        largest = tf.stack([
+            tf.cast(tf.maximum(tf.reduce_max(v), -tf.reduce_min(v)), tf.float32)
+            for v in finite.gradient_values(present_grads)
+        ])
+        largest = _distribute.max_over_replicas(largest)
+        bad, largest_exponents = scales.segment_figures(counts, largest, positions)
+        # Gradients given already unscaled: their scaled values are larger by
+        # 2**(log2(scale) + T).
+        scale_bits = tf.cast(_division.exponent_of(scale), tf.float32)
+        largest_exponents = [
+            e + tf.where(already_unscaled, scale_bits + t, 0.0)
+            for e, t in zip(largest_exponents, totals)
+        ]
+        return scales.update(exponents, is_finite, bad, largest_exponents, self.iterations)
+
     def _record_gradient_stats(self, grads, factors, checked, trainable_variables,
-                               should_apply):
+                               should_apply, boundary_factors=None):
         present = [i for i, g in enumerate(grads) if g is not None]
         stats = stats_lib.worst_over_replicas(
             stats_lib.tensor_stats(
@@ -632,6 +817,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 [factors[i] for i in present],
             )
         )
+        ones = tf.constant(1.0)
+        boundary_row = tf.stack([
+            ones if boundary_factors is None or boundary_factors[i] is None
+            else tf.cast(boundary_factors[i], tf.float32)
+            for i in present
+        ])
+        stats = tf.concat([stats, boundary_row[tf.newaxis]], axis=0)
         if should_apply is True:  # a fixed scale: keep finite steps' figures only
             should_apply = finite.all_finite([checked[i] for i in present], across_replicas=True)
         positions = [self._get_variable_index(trainable_variables[i]) for i in present]
@@ -711,9 +903,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return None
         self.check_min_scale_policy()
         skipped = getattr(self.loss_scale, "num_skipped_steps", None)
-        return self._overflow.last_overflow(
+        report = self._overflow.last_overflow(
             self.loss_scale().numpy(), 0 if skipped is None else skipped.numpy()
         )
+        if report is not None and self._boundary_scales is not None:
+            report = dataclasses.replace(
+                report, boundaries=self._boundary_scales.lowered_names()
+            )
+        return report
 
     def gradient_stats(self) -> dict[str, stats_lib.GradientStats]:
         """Where the scaled gradients sat in float16's range on the last finite step.
@@ -732,7 +929,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         >>> w = keras.Variable([0.0, 0.0], name="w")
         >>> opt.apply([tf.constant([0.0, 32.0]) * 2.0**10], [w])  # 32 * 1024 = 2**15
         >>> opt.gradient_stats()["w"]
-        GradientStats(headroom_bits=0.99929..., zero_fraction=0.5, subnormal_fraction=0.0)
+        GradientStats(headroom_bits=0.99929..., zero_fraction=0.5, subnormal_fraction=0.0, boundary_factor=1.0)
         """
         if not self.record_gradient_stats:
             raise ValueError(
@@ -766,6 +963,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "min_scale_policy": self._min_scale_policy.policy,
             "jit_compile": self.jit_compile,
             "gradient_stats": self.record_gradient_stats,
+            "scale_boundaries": self._boundaries_expected,
         }
 
     def load_own_variables(self, store: Any) -> None:
@@ -814,6 +1012,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Keras' class). A base key at any other value is a `ValueError`.
         """
         config = dict(config)
+        # A model is not part of the config: set_scale_boundaries(model) again.
+        expects_boundaries = bool(config.pop("scale_boundaries", False))
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
@@ -827,4 +1027,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                     f"{learning_rate!r} is not the wrapper's unused rate of 0; set "
                     "learning_rate on the `inner_optimizer` config."
                 )
-        return cls(inner, **config)
+        optimizer = cls(inner, **config)
+        optimizer._boundaries_expected = expects_boundaries
+        return optimizer

@@ -65,6 +65,9 @@ class OverflowReport:
             had on the last finite step; empty otherwise.
         applied_steps: the optimizer's `iterations` at the skipped step: the
             updates applied before it (skipped steps do not advance it).
+        boundaries: with scale boundaries, the `tfdls.ScaleBoundary` layers
+            that lowered their factor for this overflow (empty where the
+            global loss scale shrank alone).
 
     Example:
 
@@ -81,6 +84,7 @@ class OverflowReport:
     num_skipped_steps: int
     headroom_bits: tuple[float, ...] = ()
     applied_steps: int | None = None
+    boundaries: tuple[str, ...] = ()
 
     def __str__(self):
         names = ", ".join(self.variable_names) or "(none recorded)"
@@ -89,6 +93,7 @@ class OverflowReport:
             f"step {self.step}{applied}: non-finite gradients for {names}; loss scale now "
             f"{self.loss_scale:g}, {self.num_skipped_steps} steps skipped in total"
             + _headroom_text(self.variable_names, self.headroom_bits)
+            + (f"; scale boundaries lowered: {', '.join(self.boundaries)}" if self.boundaries else "")
         )
 
 

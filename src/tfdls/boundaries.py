@@ -1,0 +1,602 @@
+"""Scale boundaries: a loss scale per block of layers, for gradients one global scale cannot hold.
+
+A single loss scale is set by the gradients closest to overflow; gradients
+orders of magnitude smaller elsewhere in the network (early layers of deep
+networks without normalization, embeddings) still underflow in float16. A
+`ScaleBoundary` is an identity in the forward pass whose backward pass
+multiplies the incoming gradient by ``2**e``, a power of two held in a
+variable: exact, unless it overflows. Every variable's gradient then carries
+a known scale, the global loss scale times ``2**T``, where ``T`` is the sum
+of the exponents of the boundaries between the variable and the loss, and
+`tfdls.LossScaleOptimizer` divides it out per variable, exactly.
+
+The rule, in one sentence: a variable's gradient is divided by the loss scale
+times the factors of the boundaries that every path from its layer to the
+model's outputs crosses, read from the model's graph when the optimizer is
+given the model; a layer whose paths cross different boundaries is an error.
+
+So the gradient of every variable must reach the loss only through the
+model's outputs. `read_boundaries` refuses what it can see breaking that: a
+residual connection around a boundary, a layer with a regularizer (its loss
+term does not cross the boundaries) below one, a boundary inside a nested
+model or layer, where the graph cannot be read. At trace time, `apply`
+refuses a boundary whose backward pass ran in the same function (or, eagerly,
+since the last `apply`) but that the optimizer was not given.
+
+Example:
+
+>>> keras.mixed_precision.set_global_policy("mixed_float16")
+>>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4),
+...                           keras.layers.Dense(4), keras.layers.Dense(1)])
+>>> model = tfdls.add_scale_boundaries(model)
+>>> [type(layer).__name__ for layer in model.layers]
+['Dense', 'ScaleBoundary', 'Dense', 'ScaleBoundary', 'Dense']
+>>> opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam(), scale_boundaries=model)
+>>> model.compile(optimizer=opt, loss="mse")
+>>> keras.mixed_precision.set_global_policy("float32")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import weakref
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdls._division import power_of_two
+
+# The backward multiply is done in the gradient's own dtype, so a factor must
+# be a power of two float16 holds as a normal number.
+MIN_LOG2_FACTOR = -14
+MAX_LOG2_FACTOR = 15
+
+
+@keras.saving.register_keras_serializable(package="tfdls")
+class ScaleBoundary(keras.layers.Layer):
+    """An identity whose backward pass multiplies the gradient by ``2**log2_factor``.
+
+    The exponent is a non-trainable weight of the layer (saved with the
+    model, in checkpoints and `.keras` files) that `tfdls.LossScaleOptimizer`
+    adapts when it is given the model (``scale_boundaries=model``). Each
+    optimizer step, with ``T`` the sum of the exponents of this boundary and
+    of the boundaries above it::
+
+        if the step is skipped (some gradient is NaN/Inf):
+            for each block with a non-finite gradient, the nearest boundary
+            above it whose exponent is above `min_log2_factor` lowers it by 1;
+            where none can, the global loss scale shrinks (as it always does
+            for a non-finite gradient above every boundary)
+        else, every `adjust_period` applied steps (from the first):
+            E = binary exponent of the largest scaled gradient element of
+                the variables directly below this boundary
+            E_top = the same for the variables above every boundary
+            T += floor(E_top - E - margin_bits)   # this block's largest element
+                                                   # sits margin_bits below the top one's
+            log2_factor = clip(T - T of the boundary above, min, max)
+            (a block or top whose gradients are all zero leaves T as it is)
+
+    No host read and no branch: both outcomes are computed and selected.
+
+    Args:
+        initial_log2_factor: the exponent to start from.
+        min_log2_factor, max_log2_factor: bounds of the exponent, within
+            [-14, 15] (powers of two float16 holds). A boundary with equal
+            bounds keeps a fixed factor.
+        adjust_period: adjust from the headroom every this many applied steps.
+        margin_bits: how much more headroom than the top block a block keeps.
+        **kwargs: Keras layer arguments (``name``).
+
+    Example:
+
+    >>> boundary = tfdls.ScaleBoundary(initial_log2_factor=3, name="b")
+    >>> x = tf.constant([1.0, 2.0])
+    >>> with tf.GradientTape() as tape:
+    ...     tape.watch(x)
+    ...     y = tf.reduce_sum(boundary(x))
+    >>> tape.gradient(y, x).numpy()  # forward: identity; backward: times 2**3
+    array([8., 8.], dtype=float32)
+    """
+
+    def __init__(
+        self,
+        initial_log2_factor: int = 0,
+        min_log2_factor: int = 0,
+        max_log2_factor: int = 12,
+        adjust_period: int = 100,
+        margin_bits: float = 1.0,
+        **kwargs: Any,
+    ):
+        kwargs.setdefault("autocast", False)
+        super().__init__(**kwargs)
+        for key, value in (
+            ("initial_log2_factor", initial_log2_factor),
+            ("min_log2_factor", min_log2_factor),
+            ("max_log2_factor", max_log2_factor),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"`{key}` must be an int; got {key}={value!r}")
+            if not MIN_LOG2_FACTOR <= value <= MAX_LOG2_FACTOR:
+                raise ValueError(
+                    f"`{key}` must be in [{MIN_LOG2_FACTOR}, {MAX_LOG2_FACTOR}] (powers of "
+                    f"two that float16 holds); got {key}={value!r}"
+                )
+        if min_log2_factor > max_log2_factor:
+            raise ValueError(
+                f"`min_log2_factor` must be <= max_log2_factor={max_log2_factor}; "
+                f"got min_log2_factor={min_log2_factor!r}"
+            )
+        if not min_log2_factor <= initial_log2_factor <= max_log2_factor:
+            raise ValueError(
+                f"`initial_log2_factor` must be in [min_log2_factor, max_log2_factor] = "
+                f"[{min_log2_factor}, {max_log2_factor}]; got initial_log2_factor="
+                f"{initial_log2_factor!r}"
+            )
+        if isinstance(adjust_period, bool) or not isinstance(adjust_period, (int, np.integer)) \
+                or adjust_period < 1:
+            raise ValueError(f"`adjust_period` must be an int >= 1; got adjust_period={adjust_period!r}")
+        if isinstance(margin_bits, bool) or not isinstance(margin_bits, (int, float)) \
+                or not math.isfinite(margin_bits):
+            raise ValueError(f"`margin_bits` must be a finite number; got margin_bits={margin_bits!r}")
+        self.initial_log2_factor = int(initial_log2_factor)
+        self.min_log2_factor = int(min_log2_factor)
+        self.max_log2_factor = int(max_log2_factor)
+        self.adjust_period = int(adjust_period)
+        self.margin_bits = float(margin_bits)
+        self.supports_masking = True
+        # A float32 variable of integer values: it stays on the accelerator
+        # (TensorFlow keeps int32 tensors in host memory).
+        self.log2_factor = self.add_weight(
+            shape=(),
+            dtype="float32",
+            initializer=keras.initializers.Constant(float(initial_log2_factor)),
+            trainable=False,
+            name="log2_factor",
+            aggregation="only_first_replica",
+        )
+
+    def build(self, input_shape=None):
+        self.built = True
+
+    def call(self, inputs):
+        return _identity_scaling_gradient(inputs, self)
+
+    def compute_output_spec(self, inputs):
+        return keras.KerasTensor(inputs.shape, dtype=inputs.dtype, sparse=inputs.sparse)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def factor(self) -> float:
+        """The current factor, ``2**log2_factor`` (a host read)."""
+        return 2.0 ** float(np.asarray(self.log2_factor.numpy()))
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "initial_log2_factor": self.initial_log2_factor,
+            "min_log2_factor": self.min_log2_factor,
+            "max_log2_factor": self.max_log2_factor,
+            "adjust_period": self.adjust_period,
+            "margin_bits": self.margin_bits,
+        }
+
+
+def _identity_scaling_gradient(x, boundary):
+    @tf.custom_gradient
+    def identity(value):
+        def backward(upstream):
+            seen.add(boundary)
+            exponent = tf.cast(tf.convert_to_tensor(boundary.log2_factor.value), tf.float32)
+            factor = power_of_two(tf.cast(exponent, tf.int32))
+            return upstream * tf.cast(factor, upstream.dtype)
+
+        return tf.identity(value), backward
+
+    if isinstance(x, (tf.Tensor, tf.Variable)) and not x.dtype.is_floating:
+        return x
+    return identity(x)
+
+
+class _SeenBoundaries:
+    """Which boundaries' backward passes ran: per graph when traced, per thread eagerly.
+
+    `LossScaleOptimizer.apply` refuses gradients that crossed a boundary it
+    was not given (see the module docstring).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._graphs = weakref.WeakKeyDictionary()
+        self._local = threading.local()
+
+    def add(self, boundary):
+        if tf.executing_eagerly():
+            if not hasattr(self._local, "eager"):
+                self._local.eager = weakref.WeakSet()
+            self._local.eager.add(boundary)
+            return
+        graph = tf.compat.v1.get_default_graph()
+        with self._lock:
+            self._graphs.setdefault(graph, weakref.WeakSet()).add(boundary)
+
+    def visible(self):
+        """The boundaries seen in this trace (the graph and those around it), or eagerly."""
+        if tf.executing_eagerly():
+            return list(getattr(self._local, "eager", ()))
+        found = []
+        graph = tf.compat.v1.get_default_graph()
+        with self._lock:
+            while graph is not None:
+                found.extend(self._graphs.get(graph, ()))
+                graph = getattr(graph, "outer_graph", None)
+        return found
+
+    def clear_eager(self):
+        if tf.executing_eagerly() and hasattr(self._local, "eager"):
+            self._local.eager = weakref.WeakSet()
+
+
+seen = _SeenBoundaries()
+
+
+# -- reading a model's boundaries ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundaryMap:
+    """The boundaries of a model and, per variable, the boundaries above it.
+
+    Attributes:
+        boundaries: the `ScaleBoundary` layers, every one after the boundary
+            above it (parents first).
+        parents: per boundary, the index of the nearest boundary above it,
+            or -1.
+        chains: ``{variable key: indices of the boundaries above it, nearest
+            first}``; a variable above every boundary has ``()``.
+        names: ``{variable key: variable path}``.
+    """
+
+    boundaries: tuple
+    parents: tuple
+    chains: dict
+    names: dict
+
+    def chain_of(self, variable):
+        """The boundary indices above `variable` (nearest first), or None if unknown."""
+        for key in _keys(variable):
+            if key in self.chains:
+                return self.chains[key]
+        return None
+
+
+def _keys(variable):
+    keys = [id(variable)]
+    inner = getattr(variable, "_value", None)
+    if inner is not None:
+        keys.append(id(inner))
+    return keys
+
+
+def _contains_boundary(layer):
+    if isinstance(layer, ScaleBoundary):
+        return True
+    flatten = getattr(layer, "_flatten_layers", None)
+    if flatten is None:
+        return False
+    return any(isinstance(sub, ScaleBoundary) for sub in flatten(include_self=False))
+
+
+def _is_graph_model(model):
+    return isinstance(model, keras.Sequential) or (
+        isinstance(model, keras.Model) and hasattr(model, "_nodes_by_depth")
+        and getattr(model, "_nodes_by_depth", None) is not None
+    )
+
+
+def read_boundaries(model) -> BoundaryMap:
+    """Reads `model`'s `ScaleBoundary` layers and the boundaries above each variable.
+
+    Raises:
+        ValueError: `model` is not a Sequential or functional Keras model; a
+            layer reaches the outputs on paths crossing different boundaries;
+            a layer below a boundary has a regularizer or a variable with
+            ``overwrite_with_gradient``; a boundary is inside a nested layer;
+            no boundary above a variable has a trainable variable above it.
+    """
+    if not isinstance(model, keras.Model) or not _is_graph_model(model):
+        raise ValueError(
+            "scale_boundaries must be a Sequential or functional keras.Model, whose "
+            f"graph tfdls can read; got scale_boundaries={model!r}"
+        )
+    if isinstance(model, keras.Sequential):
+        layer_chains, order = _sequential_chains(model)
+    else:
+        layer_chains, order = _functional_chains(model)
+    for layer in layer_chains:
+        if not isinstance(layer, ScaleBoundary) and _contains_boundary(layer):
+            raise ValueError(
+                f"tfdls: the layer {layer.name!r} contains a ScaleBoundary inside it, where "
+                "tfdls cannot read which variables are below it; place boundaries in the "
+                "outermost Sequential or functional model."
+            )
+    # Parents first: a boundary has fewer boundaries above it than those below it.
+    boundaries = sorted(
+        (b for b in order if isinstance(b, ScaleBoundary)), key=lambda b: len(layer_chains[b])
+    )
+    index = {id(b): i for i, b in enumerate(boundaries)}
+    parents = []
+    for b in boundaries:
+        chain = layer_chains[b]
+        parents.append(index[id(chain[0])] if chain else -1)
+    chains, names = {}, {}
+    for layer, chain in layer_chains.items():
+        if isinstance(layer, ScaleBoundary):
+            continue
+        if chain:
+            _check_below_boundary(layer, chain)
+        for variable in layer.trainable_variables:
+            indices = tuple(index[id(b)] for b in chain)
+            for key in _keys(variable):
+                previous = chains.get(key)
+                if previous is not None and previous != indices:
+                    raise ValueError(_mixed_names(layer, [boundaries[i] for i in previous], [boundaries[i] for i in indices]))
+                chains[key] = indices
+                names[key] = getattr(variable, "path", None) or variable.name
+    if boundaries and not any(c == () for c in chains.values()):
+        raise ValueError(
+            "tfdls: every trainable variable of the model is below a scale boundary; the "
+            "top boundary then does what the global loss scale does and has no block to "
+            "compare with. Remove it, or move it below a layer with weights."
+        )
+    return BoundaryMap(tuple(boundaries), tuple(parents), chains, names)
+
+
+def _check_below_boundary(layer, chain):
+    below = f"layer {layer.name!r} is below the scale boundary {chain[0].name!r}"
+    for attribute in ("kernel_regularizer", "bias_regularizer", "activity_regularizer",
+                      "embeddings_regularizer", "depthwise_regularizer",
+                      "pointwise_regularizer", "recurrent_regularizer", "gamma_regularizer",
+                      "beta_regularizer"):
+        if getattr(layer, attribute, None) is not None:
+            raise ValueError(
+                f"tfdls: the {below} and has {attribute}={getattr(layer, attribute)!r}: its "
+                "loss term reaches the variables without crossing the boundary, so their "
+                "gradients would mix two scales. Remove the regularizer (use the inner "
+                "optimizer's weight_decay) or move the boundary below this layer."
+            )
+    for variable in layer.trainable_variables:
+        if getattr(variable, "overwrite_with_gradient", False):
+            raise ValueError(
+                f"tfdls: the {below} and its variable {variable.path!r} takes its gradient "
+                "as a value (overwrite_with_gradient), which a boundary would scale. Move "
+                "the boundary below this layer."
+            )
+
+
+def _sequential_chains(model):
+    layers = list(model.layers)
+    chains = {}
+    above = ()
+    for layer in reversed(layers):
+        if layer in chains:
+            raise ValueError(
+                f"tfdls: the layer {layer.name!r} appears twice in the Sequential model; "
+                "tfdls cannot tell which boundaries are above its variables."
+            )
+        chains[layer] = above
+        if isinstance(layer, ScaleBoundary):
+            above = (layer,) + above
+    return chains, layers
+
+
+def _functional_chains(model):
+    """Per layer: the boundaries every path from its outputs to the model's outputs crosses."""
+    depths = sorted(model._nodes_by_depth.keys())  # 0: the output nodes
+    outputs = {id(t) for t in model.outputs}
+    consumers = {}
+    nodes = []
+    for depth in depths:
+        for node in model._nodes_by_depth[depth]:
+            nodes.append(node)
+            for tensor in node.input_tensors:
+                consumers.setdefault(id(tensor), []).append(node)
+    tensor_chain = {}  # id(tensor) -> tuple of boundaries, or None (no path to the loss)
+    node_chain = {}
+
+    def combine(found, candidate, where):
+        if candidate is None:
+            return found
+        if found is None or found == candidate:
+            return candidate
+        raise _MixedPaths(where, found, candidate)
+
+    def chain_of_tensor(tensor):
+        key = id(tensor)
+        if key in tensor_chain:
+            return tensor_chain[key]
+        found = () if key in outputs else None
+        history = getattr(tensor, "_keras_history", None)
+        producer = history.operation if history is not None else None
+        for node in consumers.get(key, ()):
+            candidate = node_chain_of(node)
+            if candidate is not None and isinstance(node.operation, ScaleBoundary):
+                candidate = (node.operation,) + candidate
+            found = combine(found, candidate, producer or node.operation)
+        tensor_chain[key] = found
+        return found
+
+    def node_chain_of(node):
+        if id(node) in node_chain:
+            return node_chain[id(node)]
+        found = None
+        for tensor in node.output_tensors:
+            found = combine(found, chain_of_tensor(tensor), node.operation)
+        node_chain[id(node)] = found
+        return found
+
+    layer_chains = {}
+    order = []
+    # Nodes from the outputs down: a node's consumers are resolved first.
+    for node in nodes:
+        layer = node.operation
+        if layer is None or getattr(node, "is_input", False) or not isinstance(layer, keras.layers.Layer):
+            continue
+        try:
+            chain = node_chain_of(node)
+        except _MixedPaths as mixed:
+            raise ValueError(_mixed_names(mixed.layer, mixed.first, mixed.second)) from None
+        if chain is None:
+            continue
+        if layer in layer_chains and layer_chains[layer] != chain:
+            raise ValueError(_mixed_names(layer, layer_chains[layer], chain))
+        if layer not in layer_chains:
+            order.append(layer)
+        layer_chains[layer] = chain
+    return layer_chains, order
+
+
+class _MixedPaths(Exception):
+    def __init__(self, layer, first, second):
+        super().__init__()
+        self.layer, self.first, self.second = layer, first, second
+
+
+def _mixed_names(layer, first, second):
+    return (
+        f"tfdls: the gradient of layer {layer.name!r} reaches the model's outputs on paths "
+        f"that cross different scale boundaries ({[b.name for b in first]} on one, "
+        f"{[b.name for b in second]} on another), for example through a residual "
+        "connection around a boundary; its gradient would mix two scales. Move the "
+        "boundary to a point every path crosses (after the residual add) or remove it."
+    )
+
+
+# -- automatic placement -------------------------------------------------------------
+
+
+def add_scale_boundaries(model, every: int = 1, **boundary_kwargs: Any):
+    """A copy of `model` with a `ScaleBoundary` after every `every` layers with weights.
+
+    The copy shares `model`'s layers (and so its weights). Boundaries go only
+    where every path from the layers below to the outputs passes: in a
+    Sequential model after any layer, in a functional model at a tensor that
+    is the only one computed so far and still needed (after a residual add,
+    never inside the block it closes). None goes above the last layer with
+    weights.
+
+    Args:
+        model: a Sequential or functional `keras.Model` without boundaries.
+        every: how many layers with trainable weights each block holds.
+        **boundary_kwargs: passed to every `ScaleBoundary`.
+
+    Returns:
+        A new model of the same kind, to compile with
+        ``tfdls.LossScaleOptimizer(..., scale_boundaries=new_model)``.
+
+    Example:
+
+    >>> inputs = keras.Input((4,))
+    >>> h = keras.layers.Dense(4, name="stem")(inputs)
+    >>> branch = keras.layers.Dense(4, name="branch")(h)
+    >>> h = keras.layers.Add(name="add")([h, branch])
+    >>> model = keras.Model(inputs, keras.layers.Dense(1, name="head")(h))
+    >>> placed = tfdls.add_scale_boundaries(model)
+    >>> [layer.name for layer in placed.layers[1:]]  # never between stem and add
+    ['stem', 'scale_boundary_1', 'branch', 'add', 'scale_boundary_2', 'head']
+    """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"`every` must be an int >= 1; got every={every!r}")
+    if not isinstance(model, keras.Model) or not _is_graph_model(model):
+        raise ValueError(
+            "add_scale_boundaries needs a Sequential or functional keras.Model; "
+            f"got model={model!r}"
+        )
+    if any(_contains_boundary(layer) for layer in model.layers):
+        raise ValueError(
+            f"the model {model.name!r} already has scale boundaries; add them once."
+        )
+    if isinstance(model, keras.Sequential):
+        return _add_to_sequential(model, every, boundary_kwargs)
+    return _add_to_functional(model, every, boundary_kwargs)
+
+
+def _has_weights(layer):
+    return bool(layer.trainable_variables)
+
+
+def _add_to_sequential(model, every, boundary_kwargs):
+    new_layers = []
+    if getattr(model, "_functional", None) is not None:
+        new_layers.append(keras.Input(batch_shape=model.inputs[0].shape, dtype=model.inputs[0].dtype))
+    since, pending = 0, False
+    for layer in model.layers:
+        if _has_weights(layer) and pending:
+            # Right below the next layer with weights, after any without
+            # (activations, dropout): XLA then need not copy the multiply
+            # into several consumers of a residual sum.
+            new_layers.append(ScaleBoundary(name=f"scale_boundary_{len(new_layers)}", **boundary_kwargs))
+            since, pending = 0, False
+        new_layers.append(layer)
+        if _has_weights(layer):
+            since += 1
+            pending = since >= every
+    return keras.Sequential(new_layers, name=f"{model.name}_with_boundaries")
+
+
+def _add_to_functional(model, every, boundary_kwargs):
+    depths = sorted(model._nodes_by_depth.keys(), reverse=True)  # inputs first
+    nodes = [n for d in depths for n in model._nodes_by_depth[d]
+             if n.operation is not None and not getattr(n, "is_input", False)]
+    inputs = {id(t) for t in model.inputs}
+    outputs = {id(t) for t in model.outputs}
+    last_use = {}
+    for position, node in enumerate(nodes):
+        for tensor in node.input_tensors:
+            last_use[id(tensor)] = position
+    # Cut points: after a node, the only live tensor (computed, not a model
+    # input, still needed later) is its single output. A boundary goes at the
+    # last cut before the next layer with weights, once `every` such layers
+    # are below it (as in a Sequential model, after any layer without weights).
+    cuts = set()
+    live = set()
+    since, pending = 0, None
+    for position, node in enumerate(nodes):
+        weighted = isinstance(node.operation, keras.layers.Layer) and _has_weights(node.operation)
+        if weighted and pending is not None:
+            cuts.add(pending)
+            since, pending = 0, None
+        for tensor in node.output_tensors:
+            if last_use.get(id(tensor), -1) > position or id(tensor) in outputs:
+                live.add(id(tensor))
+        live = {k for k in live if last_use.get(k, -1) > position or k in outputs}
+        if weighted:
+            since += 1
+        outs = node.output_tensors
+        if (since >= every and len(outs) == 1 and live == {id(outs[0])}
+                and id(outs[0]) not in outputs and id(outs[0]) not in inputs
+                and "float" in str(outs[0].dtype)):
+            pending = id(outs[0])
+    new_inputs = [
+        keras.Input(batch_shape=t.shape, dtype=t.dtype, name=t._keras_history.operation.name)
+        for t in model.inputs
+    ]
+    values = {id(old): new for old, new in zip(model.inputs, new_inputs)}
+    count = 0
+    for node in nodes:
+        args, kwargs = node.arguments.fill_in(values)
+        result = node.operation(*args, **kwargs)
+        flat = keras.tree.flatten(result)
+        for old, new in zip(node.output_tensors, flat):
+            if id(old) in cuts:
+                count += 1
+                new = ScaleBoundary(name=f"scale_boundary_{count}", **boundary_kwargs)(new)
+            values[id(old)] = new
+    new_outputs = keras.tree.map_structure(lambda t: values[id(t)], model._outputs_struct) \
+        if hasattr(model, "_outputs_struct") else [values[id(t)] for t in model.outputs]
+    return keras.Model(new_inputs if len(new_inputs) > 1 else new_inputs[0], new_outputs,
+                       name=f"{model.name}_with_boundaries")
