@@ -165,7 +165,32 @@ def check_diagnose_scale(out, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def check_per_layer_scales(out, tmp_path):
+    runs = {}
+    for run in ("float32", "global", "per-layer"):
+        accuracy, loss = _one(rf"^ *{run}: test accuracy ([0-9.]+), final loss ([0-9.]+)", out)
+        runs[run] = (float(accuracy), float(loss))
+    kernels = re.findall(
+        r"^ +(dense_\d+): ([0-9.]+) \(([0-9.]+)\) -> ([0-9.]+) \(([0-9.]+)\)$", out, re.M
+    )
+    assert len(kernels) == 8, out
+    first = {name: tuple(map(float, rest)) for name, *rest in kernels}
+    # Global: the first blocks' scaled gradients are all zero or subnormal.
+    # Per-layer: only the exact zeros of always-zero input pixels stay, and
+    # the run follows float32 while the global run falls behind.
+    for name in ("dense_1", "dense_2"):
+        global_small, _, per_layer_small, _ = first[name]
+        assert global_small > 0.9 and per_layer_small < 0.05, (name, first[name])
+    assert abs(runs["per-layer"][1] - runs["float32"][1]) < 0.1 * runs["float32"][1], runs
+    assert runs["global"][1] > runs["float32"][1] * 1.3, runs
+    png = tmp_path / "per_layer.png"
+    assert f"saved {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 CASES = {
+    "per_layer_scales.py": (["--epochs", "3", "--plot", "{tmp}/per_layer.png"],
+                            check_per_layer_scales),
     "diagnose_scale.py": (["--epochs", "2", "--plot", "{tmp}/diagnose.png"], check_diagnose_scale),
     "quickstart.py": (["--epochs", "2", "--plot", "{tmp}/scale.png"], check_quickstart),
     "custom_training_loop.py": (["--epochs", "2"], check_custom_training_loop),
