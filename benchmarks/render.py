@@ -1,5 +1,5 @@
-"""Renders benchmark JSON results (bench_overhead.py, bench_fit.py, gpu_check.py) as text
-or markdown.
+"""Renders benchmark JSON results (bench_overhead.py, bench_fit.py, bench_boundaries.py,
+gpu_check.py) as text or markdown.
 
     python benchmarks/render.py results.json [more.json ...]
 
@@ -16,7 +16,8 @@ BASELINE = "bare"
 
 
 def load(path):
-    """Reads one JSON report written by bench_overhead.py, bench_fit.py or gpu_check.py."""
+    """Reads one JSON report written by bench_overhead.py, bench_fit.py, bench_boundaries.py
+    or gpu_check.py."""
     with open(path) as f:
         return json.load(f)
 
@@ -217,8 +218,46 @@ def fit_markdown(report):
     return "\n".join(lines)
 
 
+def boundaries_markdown(report):
+    """The table of a bench_boundaries report: step time per variant, ratio to `global`."""
+    s = report["settings"]
+    results = report["results"]
+    names = columns(results)
+    labels = report.get("labels", {})
+    baseline = names[0]
+    env = report["environment"]
+    source = env.get("tfdls_source_sha256")
+    lines = [environment_line([env])
+             + (f" tfdls sources sha256 {source}." if source else ""), "",
+             f"One training step under {s['policy']} (forward, backward, `apply`; "
+             f"{s['optimizer']}) on {s['device']}: median ms/step of {s['rounds']} interleaved "
+             f"rounds and the median per-round ratio to {baseline} [p25-p75]; b = scale "
+             "boundaries in the model.", "",
+             "| workload (calls) | " + " | ".join(labels.get(n, n) for n in names) + " |",
+             "|---|" + "---:|" * len(names)]
+    for r in results:
+        cells = []
+        for n in names:
+            v = r["variants"].get(n)
+            if v is None:
+                cells.append("-")
+            elif n == baseline:
+                cells.append(f"{v['ms']:.2f}")
+            else:
+                bounds = f", {v['boundaries']} b" if v.get("boundaries") else ""
+                cells.append(f"{v['ms']:.2f} ({v['ratio']:.2f}x [{v['ratio_p25']:.2f}-"
+                             f"{v['ratio_p75']:.2f}]{bounds})")
+        lines.append(f"| {r['workload']} ({r['calls']}) | " + " | ".join(cells) + " |")
+    described = {}  # description -> workload name without its mode
+    for r in results:
+        described.setdefault(r["description"], r["workload"].rsplit("-", 1)[0])
+    lines += [""] + [f"- {name}: {d}" for d, name in described.items()]
+    return "\n".join(lines)
+
+
 def markdown(reports):
-    """Markdown for any mix of bench_overhead, bench_fit and gpu_check reports."""
+    """Markdown for any mix of bench_overhead, bench_fit, bench_boundaries and gpu_check
+    reports."""
     groups = {}
     for report in reports:
         for inner in overhead_reports(report):
@@ -230,6 +269,8 @@ def markdown(reports):
             if section:
                 sections.append(section)
     sections += [fit_markdown(fit) for report in reports for fit in fit_reports(report)]
+    sections += [boundaries_markdown(report) for report in reports
+                 if report.get("benchmark") == "bench_boundaries"]
     return "\n\n".join(sections)
 
 

@@ -1,4 +1,5 @@
-"""Smoke tests of benchmarks/: the harness, the variant registry, JSON -> markdown, gpu_check.
+"""Smoke tests of benchmarks/: the harness, the variant registry, JSON -> markdown, gpu_check,
+bench_boundaries.
 
 No timing assertions: only the structure of the results and that every variant
 really ran (the harness itself raises if a variant's variables do not change,
@@ -36,6 +37,11 @@ def harness():
 @pytest.fixture(scope="module")
 def bench():
     return _import("bench_overhead")
+
+
+@pytest.fixture(scope="module")
+def boundaries_bench():
+    return _import("bench_boundaries")
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +280,102 @@ def test_render_cells_and_overhead_ratio(render):
                         "Keras 3; tfdls 0.")
     assert lines[-1] == ("| 1x2-sgd-graph (calls 3) | 2.00 | 3.00 (1.50x) | 2.50 (1.25x) "
                          "| 0.50 | 1.33x | 2.00x |")
+
+
+# -- bench_boundaries ---------------------------------------------------------------------
+
+
+def test_boundaries_workload_specs_and_variants(boundaries_bench):
+    names = [w.name for w in boundaries_bench.select_workloads("")]
+    assert names == ["mlp14x64-sigmoid-b64-graph", "mlp14x64-sigmoid-b64-xla",
+                     "mlp8x512-relu-b256-graph", "mlp8x512-relu-b256-xla",
+                     "rescnn3x16-i32-b32-graph", "rescnn3x16-i32-b32-xla"]
+    assert [w.name for w in boundaries_bench.select_workloads("sigmoid")] == names[:2]
+    w = boundaries_bench.parse_workload("mlp5x16-tanh-b8-xla")
+    assert (w.kind, w.depth, w.width, w.activation, w.batch, w.mode) == (
+        "mlp", 5, 16, "tanh", 8, "xla")
+    w = boundaries_bench.parse_workload("rescnn2x8-b4-graph")
+    assert (w.kind, w.depth, w.width, w.image, w.batch) == ("rescnn", 2, 8, 32, 4)
+    assert boundaries_bench.parse_workload("24x1024x1024-adam-xla") is None
+    with pytest.raises(SystemExit):
+        boundaries_bench.select_workloads("no-such-workload")
+    # global always runs, first: every ratio is taken against it.
+    assert [v.name for v in boundaries_bench.resolve_variants(["boundaries_every1"])] == [
+        "global", "boundaries_every1"]
+    assert boundaries_bench.default_variants() == [
+        "global", "boundaries_every2", "boundaries_every1"]
+    with pytest.raises(ValueError, match="unknown variants"):
+        boundaries_bench.resolve_variants(["no_such_variant"])
+
+
+@pytest.mark.timeout(300)
+def test_boundaries_bench_trains_every_variant_and_renders(boundaries_bench, render, tmp_path,
+                                                           capsys):
+    path = tmp_path / "boundaries.json"
+    report = boundaries_bench.main(
+        ["--workloads", "mlp5x8-sigmoid-b8-graph,rescnn1x4-i8-b4-xla", "--quick",
+         "--json", str(path)])
+    assert json.loads(path.read_text()) == json.loads(json.dumps(report))
+    assert report["benchmark"] == "bench_boundaries"
+    assert report["settings"]["rounds"] == 3 and report["settings"]["policy"] == "mixed_float16"
+    assert report["environment"]["tfdls_source_sha256"]
+    expected_boundaries = {
+        # Sequential: after every 2nd / every Dense but the last (4 of 5 have none above).
+        "mlp5x8-sigmoid-b8-graph": {"boundaries_every2": 2, "boundaries_every1": 4},
+        # Functional: after the stem (every 1) and after the block's add.
+        "rescnn1x4-i8-b4-xla": {"boundaries_every2": 1, "boundaries_every1": 2},
+    }
+    for result in report["results"]:
+        _assert_sane_stats_against(result, "global", rounds=3)
+        variants = result["variants"]
+        assert list(variants) == ["global", "boundaries_every2", "boundaries_every1"]
+        for name, v in variants.items():
+            assert v["variables_changed"] == v["variables"], name  # every weight trained
+            assert math.isfinite(v["final_loss"]), name
+            assert v["skipped_steps"] == 0 and v["iterations"] > 3 * 2, name
+            assert v["step_plan"]["skip"] == "masked", name
+            assert v["boundaries"] == expected_boundaries[result["workload"]].get(name, 0)
+            assert len(v["factors"]) == v["boundaries"], name
+        # Same initial weights, and power-of-two scales are exact: the same first loss.
+        losses = {v["loss_after_warmup"] for v in variants.values()}
+        assert max(losses) - min(losses) < 1e-3, losses
+    out = capsys.readouterr().out
+    assert "| workload (calls) | global (ms) | boundaries every 2 | boundaries every 1 |" in out
+    markdown = render.main([str(path)])
+    assert "| mlp5x8-sigmoid-b8-graph (2) | " in markdown
+    assert "| rescnn1x4-i8-b4-xla (2) | " in markdown and ", 2 b)" in markdown
+
+
+@pytest.mark.timeout(300)
+def test_boundaries_bench_refuses_a_variant_that_does_not_train(boundaries_bench):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    workload = boundaries_bench.parse_workload("mlp3x4-b4-graph")
+    variant = boundaries_bench.VARIANTS["boundaries_every1"]
+    built = boundaries_bench.build_variant(variant, workload)
+    model, batch = built.model, boundaries_bench.make_batch(workload)
+
+    def forward_only(batch):
+        x, y = batch
+        return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+            y, model(x), from_logits=True))
+
+    built.step = tf.function(forward_only)
+    before = [np.array(tf.convert_to_tensor(v)) for v in built.variables]
+    built.step(batch)
+    with pytest.raises(RuntimeError, match="did not change"):
+        boundaries_bench.check_trained(built, before, batch, "during the test")
+
+
+def _assert_sane_stats_against(result, baseline, rounds):
+    for name, stats in result["variants"].items():
+        assert len(stats["samples_ms"]) == rounds, name
+        assert all(t > 0 and math.isfinite(t) for t in stats["samples_ms"]), name
+        assert stats["ratio"] > 0 and math.isfinite(stats["ratio"]), name
+        assert stats["ratio_p25"] <= stats["ratio"] <= stats["ratio_p75"], name
+    assert result["variants"][baseline]["ratio"] == pytest.approx(1.0)
 
 
 # -- gpu_check ----------------------------------------------------------------------------
