@@ -21,6 +21,10 @@ zero-plus-subnormal fraction of the scaled gradient over training, and saves
 a PNG of those fractions and the three loss curves.
 
     python examples/per_layer_scales.py [--epochs 6] [--plot per_layer_scales.png]
+
+``--model sigmoid`` runs the plain case instead: 14 Dense layers of 64
+sigmoid units (vanishing gradients, no attenuation layers) with Adam and a
+boundary every two layers; there, float32 itself stays at chance level.
 """
 
 import argparse
@@ -62,9 +66,15 @@ def data():
     return train_test_split(x, digits.target, test_size=0.25, random_state=0)
 
 
-def build_model():
+def build_model(kind="attenuated"):
     keras.utils.set_random_seed(0)
     layers = [keras.Input((64,))]
+    if kind == "sigmoid":
+        layers += [keras.layers.Dense(WIDTH, activation="sigmoid", name=f"dense_{i}")
+                   for i in range(13)]
+        layers.append(keras.layers.Dense(10, name="dense_13"))
+        layers.append(keras.layers.Activation("softmax", dtype="float32", name="softmax"))
+        return keras.Sequential(layers, name="sigmoid_mlp")
     for i in range(BLOCKS - 1):
         layers.append(keras.layers.Dense(WIDTH, activation="tanh", name=f"dense_{i}"))
         layers.append(GradientAttenuation(ATTENUATION, name=f"attenuation_{i}"))
@@ -96,14 +106,17 @@ class Recorder(keras.callbacks.Callback):
                 self.zero[name].append(s.zero_fraction)
 
 
-def train(run, epochs, x_train, x_test, y_train, y_test):
+def train(run, epochs, kind, x_train, x_test, y_train, y_test):
     policy = "float32" if run == "float32" else "mixed_float16"
     keras.mixed_precision.set_global_policy(policy)
     try:
-        model = build_model()
+        model = build_model(kind)
         if run == "per-layer":
-            model = tfdls.add_scale_boundaries(model, every=1)
-        inner = keras.optimizers.Lion(3e-4)
+            model = tfdls.add_scale_boundaries(model, every=2 if kind == "sigmoid" else 1)
+        if kind == "sigmoid":
+            inner = keras.optimizers.Adam(1e-3)
+        else:
+            inner = keras.optimizers.Lion(3e-4)
         if run == "float32":
             optimizer = inner
         else:
@@ -164,9 +177,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--plot", default="per_layer_scales.png")
+    parser.add_argument("--model", choices=("attenuated", "sigmoid"), default="attenuated")
     args = parser.parse_args()
     split = data()
-    results = {run: train(run, args.epochs, *split) for run in RUNS}
+    results = {run: train(run, args.epochs, args.model, *split) for run in RUNS}
     for run in RUNS:
         accuracy, recorder, factors = results[run]
         line = f"{run:>9}: test accuracy {accuracy:.3f}, final loss {np.mean(recorder.losses[-20:]):.4f}"

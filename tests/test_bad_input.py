@@ -256,6 +256,75 @@ CASES = {
 }
 
 
+def _stack(regularizer=None, residual=False):
+    if residual:
+        inputs = keras.Input((2,))
+        h = keras.layers.Dense(2, name="stem")(inputs)
+        branch = tfdls.ScaleBoundary(name="inside")(keras.layers.Dense(2)(h))
+        return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Add()([h, branch])))
+    return keras.Sequential([keras.Input((2,)),
+                             keras.layers.Dense(2, kernel_regularizer=regularizer, name="low"),
+                             tfdls.ScaleBoundary(name="b"), keras.layers.Dense(1)])
+
+
+class _Subclassed(keras.Model):
+    def call(self, x):
+        return x
+
+
+def _unknown_boundaries():
+    model = _stack()
+    opt = tfdls.LossScaleOptimizer(SGD(0.1))
+    with tf.GradientTape() as tape:
+        loss = opt.scale_loss(tf.reduce_sum(model(tf.ones([1, 2]))))
+    opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+
+def _unscaled_without_variables():
+    model = _stack()
+    opt = tfdls.LossScaleOptimizer(SGD(0.1), scale_boundaries=model)
+    opt.get_unscaled_gradients([tf.ones(v.shape) for v in model.trainable_variables])
+
+
+CASES.update({
+    "`ScaleBoundary(max_log2_factor=16)` / `min_log2_factor=-15` / `min_log2_factor` above `max_log2_factor`": [
+        (lambda: tfdls.ScaleBoundary(max_log2_factor=16), ValueError, r"max_log2_factor=16"),
+        (lambda: tfdls.ScaleBoundary(min_log2_factor=-15), ValueError, r"min_log2_factor=-15"),
+        (lambda: tfdls.ScaleBoundary(min_log2_factor=3, max_log2_factor=2), ValueError,
+         r"min_log2_factor=3"),
+    ],
+    "`ScaleBoundary(adjust_period=0)` / `margin_bits=nan`": [
+        (lambda: tfdls.ScaleBoundary(adjust_period=0), ValueError, r"adjust_period=0"),
+        (lambda: tfdls.ScaleBoundary(margin_bits=float("nan")), ValueError, r"margin_bits=nan"),
+    ],
+    "`add_scale_boundaries(model, every=0)` or a subclassed model": [
+        (lambda: tfdls.add_scale_boundaries(_stack(), every=0), ValueError, r"every=0"),
+        (lambda: tfdls.add_scale_boundaries(_Subclassed()), ValueError,
+         r"Sequential or functional.*model=<"),
+    ],
+    "`scale_boundaries=` a model with a residual connection around a boundary": [
+        (lambda: LSO(SGD(0.1), scale_boundaries=_stack(residual=True)), ValueError,
+         r"layer 'stem'.*\['inside'\]"),
+    ],
+    "`scale_boundaries=` a model with a regularizer below a boundary": [
+        (lambda: LSO(SGD(0.1), scale_boundaries=_stack(regularizer="l2")), ValueError,
+         r"layer 'low' is below the scale boundary 'b'.*kernel_regularizer"),
+    ],
+    "`scale_boundaries=` with a fixed or non-power-of-two loss scale": [
+        (lambda: LSO(SGD(0.1), 1024.0, scale_boundaries=_stack()), ValueError,
+         r"DynamicLossScale whose values are powers of two.*loss_scale="),
+        (lambda: LSO(SGD(0.1), DLS(3.0), scale_boundaries=_stack()), ValueError,
+         r"loss_scale=DynamicLossScale"),
+    ],
+    "`apply` of gradients that crossed boundaries the optimizer was not given": [
+        (_unknown_boundaries, ValueError, r"crossed the scale boundaries \['b'\]"),
+    ],
+    "`get_unscaled_gradients(grads)` with scale boundaries, without `trainable_variables=`": [
+        (_unscaled_without_variables, ValueError, r"trainable_variables=None"),
+    ],
+})
+
+
 @pytest.mark.parametrize("row", sorted(CASES))
 def test_bad_input_raises_clear_error(row):
     for call, error, pattern in CASES[row]:

@@ -298,8 +298,19 @@ def test_update_is_bit_identical_to_the_model_without_boundaries(mode, factors):
     for opt in (reference, optimizer):
         assert int(opt.loss_scale.num_skipped_steps.numpy()) == 0
     assert all(np.any(a != b) for a, b in list(zip(start, values(plain)))[::2])  # kernels moved
+    exact = mode != "xla" or _TF_VERSION >= (2, 21)
     for a, b in zip(values(plain), values(boundaries)):
-        np.testing.assert_array_equal(a, b)
+        if exact:
+            np.testing.assert_array_equal(a, b)
+        else:
+            # TensorFlow 2.16's XLA rounds fused float16 ops differently once
+            # the graph changes (its plain model already differs from graph
+            # mode from the second step); a factor wrongly divided would be off
+            # by a power of two, far outside float16 rounding.
+            np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-4)
+
+
+_TF_VERSION = tuple(int(p) for p in tf.__version__.split(".")[:2])
 
 
 @pytest.mark.parametrize("name", EXPORTED)
