@@ -746,3 +746,73 @@ def test_placement_goes_after_layers_without_weights():
     names = [layer.name for layer in tfdls.add_scale_boundaries(sequential).layers]
     assert names[:3] == ["a", "r", "drop"] and names[-1] == "b"
     assert isinstance(tfdls.add_scale_boundaries(sequential).layers[3], tfdls.ScaleBoundary)
+
+
+def test_drawn_models_and_call_styles_match_float64(hypothesis):
+    """Drawn depth, boundary places and factors, loss scale, call style and mode:
+    the gradient the inner optimizer receives equals the float64 true gradient
+    within float16 rounding. A factor not divided out, or divided twice, is off
+    by at least a factor of 2."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(8, 4)).astype("float32")
+    y = rng.normal(size=(8, 1)).astype("float32")
+
+    def build(depth, places, policy):
+        keras.mixed_precision.set_global_policy(policy)
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((4,))
+        h = inputs
+        for i in range(depth - 1):
+            h = keras.layers.Dense(4, activation="tanh", name=f"h{i}")(h)
+            if i in places:
+                h = tfdls.ScaleBoundary(**pinned(places[i]), name=f"b{i}")(h)
+        return keras.Model(inputs, keras.layers.Dense(1, name="out", dtype="float32")(h))
+
+    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(depth=st.integers(2, 4), data=st.data(),
+           scale_bits=st.integers(0, 12), style=st.sampled_from(["keras", "tf_keras"]),
+           mode=st.sampled_from(["eager", "graph"]))
+    def check(depth, data, scale_bits, style, mode):
+        places = {i: data.draw(st.integers(0, 6)) for i in range(depth - 1)
+                  if data.draw(st.booleans())}
+        model = build(depth, places, "mixed_float16")
+        reference_model = build(depth, {}, "float64")
+        for source, target in zip(model.trainable_variables, reference_model.trainable_variables):
+            target.assign(source.numpy().astype(np.float64))
+        x64 = tf.constant(x, tf.float64)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tf.cast(reference_model(x64), tf.float64) - y))
+        reference = [g.numpy() for g in tape.gradient(loss, reference_model.trainable_variables)]
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            inner = RecordingSGD(0.0)
+            optimizer = tfdls.LossScaleOptimizer(
+                inner, tfdls.DynamicLossScale(2.0**scale_bits, increment_period=10**6),
+                scale_boundaries=model if places else None)
+            variables = model.trainable_variables
+
+            def step():
+                with tf.GradientTape() as tape:
+                    prediction = tf.cast(model(tf.constant(x)), tf.float32)
+                    loss = tf.reduce_mean(tf.square(prediction - y))
+                    scaled = (optimizer.scale_loss(loss) if style == "keras"
+                              else optimizer.get_scaled_loss(loss))
+                grads = tape.gradient(scaled, variables)
+                if style == "tf_keras":
+                    grads = optimizer.get_unscaled_gradients(grads, trainable_variables=variables)
+                    optimizer.apply_gradients(zip(grads, variables))
+                else:
+                    optimizer.apply(grads, variables)
+
+            (tf.function(step) if mode == "graph" else step)()
+            assert int(optimizer.loss_scale.num_skipped_steps.numpy()) == 0
+            for got, want, v in zip(inner.recorded, reference, variables):
+                got = got.numpy().astype(np.float64)
+                error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+                assert error < 2e-2, (v.path, error, places, scale_bits, style, mode)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+
+    check()
