@@ -261,11 +261,19 @@ def test_functional_placement_goes_only_where_every_path_passes():
     assert all(a is b for a, b in zip(placed.trainable_variables, model.trainable_variables))
 
 
-@pytest.mark.parametrize("every, expected", [(1, 5), (2, 2), (3, 1), (5, 1), (6, 0)])
+@pytest.mark.parametrize("every, expected", [(1, 5), (2, 2), (3, 1), (5, 1)])
 def test_sequential_placement_every(every, expected):
     placed = tfdls.add_scale_boundaries(dense_stack(6), every=every)
     assert sum(isinstance(layer, tfdls.ScaleBoundary) for layer in placed.layers) == expected
     assert not isinstance(placed.layers[-1], tfdls.ScaleBoundary)
+
+
+def test_placement_refuses_an_unbuilt_model_and_no_place():
+    unbuilt = keras.Sequential([keras.layers.Dense(3), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="needs a built model"):
+        tfdls.add_scale_boundaries(unbuilt)
+    with pytest.raises(ValueError, match="found no place for a boundary.*every=6"):
+        tfdls.add_scale_boundaries(dense_stack(6), every=6)
 
 
 @pytest.mark.parametrize("every", [0, 1.5, True])

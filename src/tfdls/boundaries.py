@@ -520,9 +520,22 @@ def add_scale_boundaries(model, every: int = 1, **boundary_kwargs: Any):
         raise ValueError(
             f"the model {model.name!r} already has scale boundaries; add them once."
         )
+    if not model.built or not model.trainable_variables:
+        raise ValueError(
+            f"add_scale_boundaries needs a built model with trainable weights (start it with "
+            f"keras.Input, or call model.build); got model={model.name!r}, built={model.built}"
+        )
     if isinstance(model, keras.Sequential):
-        return _add_to_sequential(model, every, boundary_kwargs)
-    return _add_to_functional(model, every, boundary_kwargs)
+        placed = _add_to_sequential(model, every, boundary_kwargs)
+    else:
+        placed = _add_to_functional(model, every, boundary_kwargs)
+    if not any(isinstance(layer, ScaleBoundary) for layer in placed.layers):
+        raise ValueError(
+            f"add_scale_boundaries found no place for a boundary in {model.name!r} with "
+            f"every={every}: it needs more than `every` layers with weights, and a point "
+            "every path passes between them."
+        )
+    return placed
 
 
 def _has_weights(layer):
