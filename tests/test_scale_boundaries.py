@@ -461,9 +461,9 @@ def reference_update(exponents, parents, mins, maxs, margins, segment_bad, segme
         else:
             target = parent_total + exponents[k]
         adjusted = min(max(target - parent_total, mins[k]), maxs[k])
-        new_totals[k] = parent_total + adjusted
-        if due:
+        if due[k]:
             new[k] = adjusted
+        new_totals[k] = parent_total + new[k]
     return new, False
 
 
@@ -490,7 +490,7 @@ def test_adaptation_matches_the_written_algorithm(hypothesis):
             bad = [False] * (count + 1)
         seg_exp = [data.draw(st.sampled_from([-float("inf"), -30.0, -12.0, -3.0, 0.0, 4.0, 9.0]))
                    for _ in range(count + 1)]
-        due = data.draw(st.booleans())
+        due = [data.draw(st.booleans()) for _ in range(count)]
 
         class FakeMap:
             pass
@@ -501,7 +501,7 @@ def test_adaptation_matches_the_written_algorithm(hypothesis):
         for k in range(count):
             b = tfdls.ScaleBoundary(initial_log2_factor=exponents[k], min_log2_factor=mins[k],
                                     max_log2_factor=maxs[k], margin_bits=margins[k],
-                                    adjust_period=1 if due else 10**6)
+                                    adjust_period=1 if due[k] else 10**6)
             layers.append(b)
         scales = _boundary_scales.BoundaryScales.__new__(_boundary_scales.BoundaryScales)
         tf.Module.__init__(scales)
@@ -511,7 +511,7 @@ def test_adaptation_matches_the_written_algorithm(hypothesis):
         global_shrinks = scales.update(
             [tf.constant(float(e)) for e in exponents], tf.constant(is_finite),
             [tf.constant(b) for b in bad], [tf.constant(e, tf.float32) for e in seg_exp],
-            tf.constant(1 if due else 3, tf.int64),
+            tf.constant(3, tf.int64),
         )
         want, want_global = reference_update(exponents, parents, mins, maxs, margins, bad,
                                              seg_exp, is_finite, due)

@@ -110,25 +110,28 @@ class BoundaryScales(tf.Module):
 
         totals = self.totals(exponents)
         top = segment_exponent[0]
+        # Totals after this step, parents first: a boundary not due this step
+        # keeps its exponent, and a due one is placed against its parent's
+        # total as it will be (moved or not), not as it would be if moved.
         new_totals = {-1: tf.constant(0.0)}
-        adjusted = [None] * count
-        for k in range(count):  # parents come first
+        finite_values = [None] * count
+        for k in range(count):
             b = self.boundaries[k]
             parent_total = new_totals[self.map.parents[k]]
             exponent = segment_exponent[k + 1]
             known = tf.logical_and(tf.math.is_finite(exponent), tf.math.is_finite(top))
             move = tf.floor(tf.where(known, top - exponent - b.margin_bits, 0.0))
             target = tf.where(known, totals[k + 1] + move, parent_total + exponents[k])
-            adjusted[k] = tf.clip_by_value(
+            adjusted = tf.clip_by_value(
                 target - parent_total, float(b.min_log2_factor), float(b.max_log2_factor)
             )
-            new_totals[k] = parent_total + adjusted[k]
+            due = tf.equal(tf.math.floormod(iterations, b.adjust_period), 0)
+            finite_values[k] = tf.where(due, adjusted, exponents[k])
+            new_totals[k] = parent_total + finite_values[k]
 
         for k, b in enumerate(self.boundaries):
-            due = tf.equal(tf.math.floormod(iterations, b.adjust_period), 0)
-            finite_value = tf.where(due, adjusted[k], exponents[k])
             skipped_value = tf.where(lower[k], exponents[k] - 1.0, exponents[k])
-            b.log2_factor.assign(tf.where(is_finite, finite_value, skipped_value))
+            b.log2_factor.assign(tf.where(is_finite, finite_values[k], skipped_value))
         if count:
             self.lowered.assign(tf.where(is_finite, self.lowered, tf.stack(lower)))
         return global_shrinks
