@@ -824,7 +824,11 @@ def test_drawn_models_and_call_styles_match_float64(hypothesis):
                     optimizer.apply(grads, variables)
 
             (tf.function(step) if mode == "graph" else step)()
-            assert int(optimizer.loss_scale.num_skipped_steps.numpy()) == 0
+            if int(optimizer.loss_scale.num_skipped_steps.numpy()):
+                # The drawn scale times the factors overflowed float16: the step
+                # was skipped, and the inner optimizer received nothing.
+                assert not any(np.any(r.numpy()) for r in inner.recorded)
+                return
             for got, want, v in zip(inner.recorded, reference, variables):
                 got = got.numpy().astype(np.float64)
                 error = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
