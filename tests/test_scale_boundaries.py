@@ -89,6 +89,7 @@ def pinned(k):
 @pytest.mark.parametrize("exponent", [-3, 0, 5])
 def test_boundary_is_an_identity_whose_gradient_is_scaled(dtype, exponent):
     boundary = tfdls.ScaleBoundary(**pinned(exponent))
+    boundary._ownership.owned.assign(True)  # as LossScaleOptimizer(scale_boundaries=...) does
     x = tf.constant(np.random.default_rng(0).normal(size=(3, 5)), dtype)
     with tf.GradientTape() as tape:
         tape.watch(x)
@@ -103,6 +104,7 @@ def test_boundary_is_an_identity_whose_gradient_is_scaled(dtype, exponent):
 
 def test_boundary_reads_its_factor_at_backward_time():
     boundary = tfdls.ScaleBoundary(max_log2_factor=15)
+    boundary._ownership.owned.assign(True)
     x = tf.ones([2])
     for exponent in (0, 7, 15):
         boundary.log2_factor.assign(float(exponent))
@@ -837,3 +839,35 @@ def test_drawn_models_and_call_styles_match_float64(hypothesis):
             keras.mixed_precision.set_global_policy("float32")
 
     check()
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_boundary_no_optimizer_owns_is_an_identity_both_ways(mode, tmp_path):
+    """Gradients computed where the guard cannot see (another function), a
+    loaded model, or any other optimizer: an unowned boundary scales nothing."""
+    model = tfdls.add_scale_boundaries(dense_stack(3), every=1, **pinned(3))
+    x = tf.ones([2, 4])
+
+    def gradients(m):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(m(x))
+        return tape.gradient(loss, m.trainable_variables)
+
+    if mode == "graph":
+        gradients = tf.function(gradients)
+    plain = dense_stack(3)
+    copy_weights(model, plain)
+    unowned = gradients(model)
+    for a, b in zip(unowned, gradients(plain)):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # Owned (the same traced function): the factors apply, read at run time.
+    tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=model)
+    owned = gradients(model)
+    assert np.array_equal(owned[0].numpy(), 4.0 * 2.0**6 * unowned[0].numpy() / 4.0)
+    # A saved and loaded model starts unowned, whatever its factors.
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    eager = gradients.python_function if mode == "graph" else gradients
+    for a, b in zip(eager(loaded), unowned):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())

@@ -78,7 +78,13 @@ class ScaleBoundary(keras.layers.Layer):
             T += floor(E_top - E - margin_bits)   # this block's largest element
                                                    # sits margin_bits below the top one's
             log2_factor = clip(T - T of the boundary above, min, max)
-            (a block or top whose gradients are all zero leaves T as it is)
+            (a block or top whose gradients are all zero keeps its factor)
+
+    A boundary scales the gradient only while a `LossScaleOptimizer` owns it
+    (``scale_boundaries=model`` or `set_scale_boundaries`); otherwise, as in
+    a freshly loaded model or with any other optimizer, it is an identity
+    both ways, so nothing else ever sees a scaled gradient. Ownership is a
+    device flag, read when the backward pass runs, not when it is traced.
 
     No host read and no branch: both outcomes are computed and selected.
 
@@ -94,6 +100,9 @@ class ScaleBoundary(keras.layers.Layer):
     Example:
 
     >>> boundary = tfdls.ScaleBoundary(initial_log2_factor=3, name="b")
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2), boundary,
+    ...                           keras.layers.Dense(1)])
+    >>> opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=model)
     >>> x = tf.constant([1.0, 2.0])
     >>> with tf.GradientTape() as tape:
     ...     tape.watch(x)
@@ -150,6 +159,9 @@ class ScaleBoundary(keras.layers.Layer):
         self.supports_masking = True
         # A float32 variable of integer values: it stays on the accelerator
         # (TensorFlow keeps int32 tensors in host memory).
+        # Not a weight, and out of reach of tracking: a loaded or restored
+        # model starts unowned (see the class docstring).
+        self._ownership = _Ownership()
         self.log2_factor = self.add_weight(
             shape=(),
             dtype="float32",
@@ -192,6 +204,7 @@ def _identity_scaling_gradient(x, boundary):
         def backward(upstream):
             seen.add(boundary)
             exponent = tf.cast(tf.convert_to_tensor(boundary.log2_factor.value), tf.float32)
+            exponent = tf.where(boundary._ownership.owned, exponent, 0.0)
             factor = power_of_two(tf.cast(exponent, tf.int32))
             return upstream * tf.cast(factor, upstream.dtype)
 
@@ -200,6 +213,14 @@ def _identity_scaling_gradient(x, boundary):
     if isinstance(x, (tf.Tensor, tf.Variable)) and not x.dtype.is_floating:
         return x
     return identity(x)
+
+
+class _Ownership:
+    """Holds the device flag "a LossScaleOptimizer owns this boundary" (not trackable)."""
+
+    def __init__(self):
+        with tf.init_scope():
+            self.owned = tf.Variable(False, trainable=False, name="owned")
 
 
 class _SeenBoundaries:

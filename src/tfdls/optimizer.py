@@ -357,6 +357,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"got loss_scale={ls!r}"
             )
         boundary_map = boundaries_lib.read_boundaries(model)
+        for boundary in boundary_map.boundaries:
+            boundary._ownership.owned.assign(True)
         self._boundary_map = boundary_map
         self._boundaries_expected = True
         if self.built:
@@ -520,14 +522,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if self._boundary_map is None:
             unscaled = [None if g is None else _division.divide(g, scale, how) for g in grads]
         else:
-            if trainable_variables is None or len(list(trainable_variables)) != len(grads):
+            variables = None if trainable_variables is None else list(trainable_variables)
+            if variables is None or len(variables) != len(grads):
                 raise ValueError(
                     "With scale_boundaries, get_unscaled_gradients needs the variables of "
                     "the gradients (each is divided by its own boundaries' factors): pass "
                     "trainable_variables=[...] in the order of grads; got "
                     f"trainable_variables={trainable_variables!r}"
                 )
-            variables = list(trainable_variables)
             if not self.built:
                 with keras.name_scope(self.name, caller=self):
                     self.build(variables)
