@@ -113,26 +113,8 @@ def parse_workload(spec, calls=10):
 
 
 def select_workloads(filters, defaults=DEFAULT_WORKLOADS):
-    """Comma-separated tokens: substrings of the default names, or full specs.
-
-    Raises:
-        SystemExit: nothing matched (a CLI error).
-    """
-    if not filters:
-        return list(defaults)
-    chosen = []
-    for token in (t.strip() for t in filters.split(",")):
-        if not token:
-            continue
-        matches = [w for w in defaults if token.lower() in w.name]
-        if not matches:
-            custom = parse_workload(token)
-            matches = [custom] if custom is not None else []
-        chosen += [w for w in matches if w not in chosen]
-    if not chosen:
-        names = ", ".join(w.name for w in defaults)
-        raise SystemExit(f"--workloads {filters!r} matches nothing; defaults: {names}")
-    return chosen
+    """Comma-separated tokens: substrings of the default names, or full specs (SystemExit if none)."""
+    return harness.select_workloads(filters, defaults, parse=parse_workload)
 
 
 def build_model(workload, seed=0):

@@ -93,7 +93,7 @@ def parse_workload(spec, calls=10):
     return Workload(int(count), shape, inner, mode, calls=calls, table=table)
 
 
-def select_workloads(filters, defaults):
+def select_workloads(filters, defaults, parse=None):
     """Picks workloads by name.
 
     Args:
@@ -101,6 +101,7 @@ def select_workloads(filters, defaults):
             name contains it, or, matching none, is parsed as a full spec.
             Empty: all defaults.
         defaults: the sequence of default `Workload`\\ s.
+        parse: the parser of full specs (default: `parse_workload`).
 
     Returns:
         The chosen workloads, in order, without duplicates.
@@ -116,7 +117,7 @@ def select_workloads(filters, defaults):
             continue
         matches = [w for w in defaults if token.lower() in w.name]
         if not matches:
-            custom = parse_workload(token)
+            custom = (parse or parse_workload)(token)
             matches = [custom] if custom is not None else []
         chosen += [w for w in matches if w not in chosen]
     if not chosen:
