@@ -272,12 +272,23 @@ class _Subclassed(keras.Model):
         return x
 
 
-def _unknown_boundaries():
-    model = _stack()
-    opt = tfdls.LossScaleOptimizer(SGD(0.1))
+def _boundary_step(model, opt):
     with tf.GradientTape() as tape:
         loss = opt.scale_loss(tf.reduce_sum(model(tf.ones([1, 2]))))
     opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+
+def _unknown_boundaries():
+    # Traced: the function's gradients crossed the boundary.
+    model = _stack()
+    tf.function(_boundary_step)(model, tfdls.LossScaleOptimizer(SGD(0.1)))
+
+
+def _owned_elsewhere():
+    # Eager: the variable is below a boundary another optimizer owns.
+    model = _stack()
+    tfdls.LossScaleOptimizer(SGD(0.1), scale_boundaries=model)
+    _boundary_step(model, tfdls.LossScaleOptimizer(SGD(0.1)))
 
 
 def _unscaled_without_variables():
@@ -318,6 +329,9 @@ CASES.update({
     ],
     "`apply` of gradients that crossed boundaries the optimizer was not given": [
         (_unknown_boundaries, ValueError, r"crossed the scale boundaries \['b'\]"),
+    ],
+    "`apply` of a variable below boundaries another optimizer owns": [
+        (_owned_elsewhere, ValueError, r"low/kernel' is below the scale boundaries \['b'\]"),
     ],
     "`get_unscaled_gradients(grads)` with scale boundaries, without `trainable_variables=`": [
         (_unscaled_without_variables, ValueError, r"trainable_variables=None"),

@@ -632,10 +632,36 @@ def test_no_branch_and_no_host_call_in_the_step():
 
 def test_gradients_through_boundaries_the_optimizer_was_not_given_raise():
     model = tfdls.add_scale_boundaries(dense_stack(3), every=1)
-    optimizer = tfdls.LossScaleOptimizer(keras.optimizers.SGD())
+    batches = integer_batches(1, width=4)
+    # Traced: any boundary the step crossed (owned or not: ownership is read
+    # when the step runs, and another optimizer could take it later).
+    with pytest.raises(ValueError, match=r"crossed the scale boundaries \['scale_boundary_2', 'scale_boundary_4'\]"):
+        train_steps(model, tfdls.LossScaleOptimizer(keras.optimizers.SGD()), batches, "graph")
+    # Eagerly an unowned boundary is an identity, so the update is right.
+    before = values(model)
+    train_steps(model, tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0)), batches, "eager")
+    assert any((a != b).any() for a, b in zip(before, values(model)))
+    # Once an optimizer owns the boundaries, every other one refuses the
+    # variables below them, eagerly and traced.
+    tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=model)
     for mode in ("eager", "graph"):
-        with pytest.raises(ValueError, match=r"crossed the scale boundaries \['scale_boundary_2', 'scale_boundary_4'\]"):
-            train_steps(model, optimizer, integer_batches(1, width=4), mode)
+        with pytest.raises(ValueError, match=r"d0/kernel' is below the scale boundaries \['scale_boundary_2', 'scale_boundary_4'\]"):
+            train_steps(model, tfdls.LossScaleOptimizer(keras.optimizers.SGD()), batches, mode)
+
+
+def test_an_eager_gradient_never_applied_does_not_reach_another_optimizer():
+    # CI drew this: an eager backward pass through owned boundaries, never
+    # applied, then an unrelated optimizer's apply on unrelated variables.
+    model = tfdls.add_scale_boundaries(dense_stack(3), every=1)
+    owner = tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=model)
+    x = tf.ones([2, 4])
+    with tf.GradientTape() as tape:
+        loss = owner.scale_loss(tf.reduce_sum(tf.cast(model(x), tf.float32)))
+    tape.gradient(loss, model.trainable_variables)
+    w = tf.Variable(1.0)
+    other = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0), tfdls.DynamicLossScale(4.0))
+    other.apply([tf.constant(8.0)], [w])
+    assert w.numpy() == -1.0
 
 
 def test_fit_and_keras_file_round_trip(tmp_path):

@@ -19,9 +19,10 @@ So the gradient of every variable must reach the loss only through the
 model's outputs. `read_boundaries` refuses what it can see breaking that: a
 residual connection around a boundary, a layer with a regularizer (its loss
 term does not cross the boundaries) below one, a boundary inside a nested
-model or layer, where the graph cannot be read. At trace time, `apply`
-refuses a boundary whose backward pass ran in the same function (or, eagerly,
-since the last `apply`) but that the optimizer was not given.
+model or layer, where the graph cannot be read. `apply` refuses a variable
+below a boundary that an optimizer owns but that it was not given, and, at
+trace time, gradients that crossed in the same traced function a boundary it
+was not given (owned or not yet owned: ownership is read when the step runs).
 
 Example:
 
@@ -224,31 +225,29 @@ class _Ownership:
 
 
 class _SeenBoundaries:
-    """Which boundaries' backward passes ran: per graph when traced, per thread eagerly.
+    """Which boundaries' backward passes ran in a traced function, per graph.
 
-    `LossScaleOptimizer.apply` refuses gradients that crossed a boundary it
-    was not given (see the module docstring).
+    `LossScaleOptimizer.apply` refuses, at trace time, gradients that crossed
+    a boundary it was not given (see the module docstring). Eager backward
+    passes are not recorded: nothing ties an eager gradient to a later
+    `apply`, so eagerly the check goes by variables (`owned_boundaries_above`).
     """
 
     def __init__(self):
         self._lock = threading.Lock()
         self._graphs = weakref.WeakKeyDictionary()
-        self._local = threading.local()
 
     def add(self, boundary):
         if tf.executing_eagerly():
-            if not hasattr(self._local, "eager"):
-                self._local.eager = weakref.WeakSet()
-            self._local.eager.add(boundary)
             return
         graph = tf.compat.v1.get_default_graph()
         with self._lock:
             self._graphs.setdefault(graph, weakref.WeakSet()).add(boundary)
 
     def visible(self):
-        """The boundaries seen in this trace (the graph and those around it), or eagerly."""
+        """The boundaries seen in this trace (the graph and those around it)."""
         if tf.executing_eagerly():
-            return list(getattr(self._local, "eager", ()))
+            return []
         found = []
         graph = tf.compat.v1.get_default_graph()
         with self._lock:
@@ -257,12 +256,42 @@ class _SeenBoundaries:
                 graph = getattr(graph, "outer_graph", None)
         return found
 
-    def clear_eager(self):
-        if tf.executing_eagerly() and hasattr(self._local, "eager"):
-            self._local.eager = weakref.WeakSet()
-
 
 seen = _SeenBoundaries()
+
+
+# The attribute that marks a variable with the owned boundaries above it.
+_OWNED_ABOVE = "_tfdls_owned_boundaries_above"
+
+
+def take_ownership(boundary_map: "BoundaryMap") -> None:
+    """Makes `boundary_map`'s boundaries scale, and marks each variable below them.
+
+    The mark lets every `LossScaleOptimizer` refuse a variable whose gradient
+    an owned boundary multiplies unless it was given that boundary, eagerly
+    as well as traced.
+    """
+    for boundary in boundary_map.boundaries:
+        boundary._ownership.owned.assign(True)
+    for variable, indices in boundary_map.variables:
+        if not indices:
+            continue
+        for target in (variable, getattr(variable, "_value", None)):
+            if target is None:
+                continue
+            marks = getattr(target, _OWNED_ABOVE, None)
+            if marks is None:
+                marks = weakref.WeakSet()
+                setattr(target, _OWNED_ABOVE, marks)
+            marks.update(boundary_map.boundaries[i] for i in indices)
+
+
+def owned_boundaries_above(variable) -> list:
+    """The owned boundaries above `variable` in the models optimizers were given."""
+    found = []
+    for target in (variable, getattr(variable, "_value", None)):
+        found.extend(getattr(target, _OWNED_ABOVE, None) or ())
+    return found
 
 
 # -- reading a model's boundaries ---------------------------------------------------
@@ -280,12 +309,14 @@ class BoundaryMap:
         chains: ``{variable key: indices of the boundaries above it, nearest
             first}``; a variable above every boundary has ``()``.
         names: ``{variable key: variable path}``.
+        variables: ``(variable, chain)`` pairs, one per trainable variable.
     """
 
     boundaries: tuple
     parents: tuple
     chains: dict
     names: dict
+    variables: tuple = ()
 
     def chain_of(self, variable):
         """The boundary indices above `variable` (nearest first), or None if unknown."""
@@ -354,7 +385,7 @@ def read_boundaries(model) -> BoundaryMap:
     for b in boundaries:
         chain = layer_chains[b]
         parents.append(index[id(chain[0])] if chain else -1)
-    chains, names = {}, {}
+    chains, names, variables = {}, {}, []
     for layer, chain in layer_chains.items():
         if isinstance(layer, ScaleBoundary):
             continue
@@ -368,13 +399,14 @@ def read_boundaries(model) -> BoundaryMap:
                     raise ValueError(_mixed_names(layer, [boundaries[i] for i in previous], [boundaries[i] for i in indices]))
                 chains[key] = indices
                 names[key] = getattr(variable, "path", None) or variable.name
+            variables.append((variable, indices))
     if boundaries and not any(c == () for c in chains.values()):
         raise ValueError(
             "tfdls: every trainable variable of the model is below a scale boundary; the "
             "top boundary then does what the global loss scale does and has no block to "
             "compare with. Remove it, or move it below a layer with weights."
         )
-    return BoundaryMap(tuple(boundaries), tuple(parents), chains, names)
+    return BoundaryMap(tuple(boundaries), tuple(parents), chains, names, tuple(variables))
 
 
 def _check_below_boundary(layer, chain):

@@ -357,8 +357,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"got loss_scale={ls!r}"
             )
         boundary_map = boundaries_lib.read_boundaries(model)
-        for boundary in boundary_map.boundaries:
-            boundary._ownership.owned.assign(True)
+        boundaries_lib.take_ownership(boundary_map)
         self._boundary_map = boundary_map
         self._boundaries_expected = True
         if self.built:
@@ -460,8 +459,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         no longer counts.
         """
         self._unscaling.begin_step()
-        # A new step: boundaries an earlier eager gradient crossed no longer count.
-        boundaries_lib.seen.clear_eager()
         return keras.ops.multiply(loss, self.loss_scale())
 
     def get_scaled_loss(self, loss: Any) -> Any:
@@ -587,7 +584,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             if not grads:
                 return
             self._unscaling.check(grads)
-            self._check_boundaries_seen()
+            self._check_boundaries_seen(trainable_variables)
             plan = self._plan(grads, trainable_variables)
             self.step_plan = plan
             if plan.compile:
@@ -596,21 +593,34 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 self._step(plan, grads, trainable_variables)
         finally:
             self._unscaling.end_step()
-            boundaries_lib.seen.clear_eager()
 
-    def _check_boundaries_seen(self):
+    def _check_boundaries_seen(self, trainable_variables):
         """Refuses gradients that crossed scale boundaries this optimizer was not given."""
         if self._boundaries_expected and self._boundary_map is None:
             raise ValueError(
                 "tfdls: this optimizer was saved with scale boundaries; give it the model "
                 "again with optimizer.set_scale_boundaries(model) before training."
             )
-        seen = boundaries_lib.seen.visible()
         known = () if self._boundary_map is None else self._boundary_map.boundaries
-        unknown = sorted({b.name for b in seen if not any(b is k for k in known)})
-        if unknown:
+
+        def unknown(boundaries):
+            return sorted({b.name for b in boundaries if not any(b is k for k in known)})
+
+        for variable in trainable_variables:
+            names = unknown(boundaries_lib.owned_boundaries_above(variable))
+            if names:
+                path = getattr(variable, "path", None) or variable.name
+                raise ValueError(
+                    f"tfdls: the variable {path!r} is below the scale boundaries {names}, "
+                    "which another LossScaleOptimizer owns (they multiply its gradient) and "
+                    "this optimizer was not given, so it cannot divide out their factors. "
+                    "Give it the model: LossScaleOptimizer(..., scale_boundaries=model), or "
+                    "optimizer.set_scale_boundaries(model)."
+                )
+        names = unknown(boundaries_lib.seen.visible())
+        if names:
             raise ValueError(
-                f"tfdls: the gradients crossed the scale boundaries {unknown}, which this "
+                f"tfdls: the gradients crossed the scale boundaries {names}, which this "
                 "optimizer was not given, so it cannot divide out their factors. Give it "
                 "the model: LossScaleOptimizer(..., scale_boundaries=model), or "
                 "optimizer.set_scale_boundaries(model) after loading a saved model."
