@@ -278,6 +278,21 @@ def _boundary_step(model, opt):
     opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
 
 
+def _shared_below_two_boundaries():
+    shared = keras.layers.Dense(2, name="twice")
+    inputs = keras.Input((2,))
+    h = shared(keras.layers.Dense(2)(inputs))
+    h = shared(keras.layers.Dense(2)(h))
+    tfdls.add_scale_boundaries(keras.Model(inputs, keras.layers.Dense(1)(h)))
+
+
+def _stranger_with_boundaries():
+    model = _stack()
+    opt = tfdls.LossScaleOptimizer(SGD(0.1), scale_boundaries=model)
+    opt.build(model.trainable_variables)
+    opt.apply([tf.ones([1])], [keras.Variable([1.0], name="stranger")])
+
+
 def _unknown_boundaries():
     # Traced: the function's gradients crossed the boundary.
     model = _stack()
@@ -329,6 +344,12 @@ CASES.update({
     ],
     "`apply` of gradients that crossed boundaries the optimizer was not given": [
         (_unknown_boundaries, ValueError, r"crossed the scale boundaries \['b'\]"),
+    ],
+    "`add_scale_boundaries` of a model calling one layer below different boundaries": [
+        (_shared_below_two_boundaries, ValueError, r"layer 'twice' is called at more than one place"),
+    ],
+    "`apply` with scale boundaries of a variable the optimizer was not built with": [
+        (_stranger_with_boundaries, ValueError, r"'stranger' is not one this optimizer was built with"),
     ],
     "`apply` of a variable below boundaries another optimizer owns": [
         (_owned_elsewhere, ValueError, r"low/kernel' is below the scale boundaries \['b'\]"),

@@ -326,6 +326,68 @@ def test_update_is_bit_identical_to_the_model_without_boundaries(mode, factors):
 _TF_VERSION = tuple(int(p) for p in tf.__version__.split(".")[:2])
 
 
+def _plain_and_bounded(prepare):
+    """Trains the plain stack and the stack with pinned boundaries (2**1) on
+    integer data in graph mode, after `prepare(bounded_model)`; returns both
+    models' values."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    batches = integer_batches(3)
+    plain = dense_stack(4, width=3, integer=True)
+    train_steps(plain, tfdls.LossScaleOptimizer(keras.optimizers.SGD(2.0**-6),
+                                                tfdls.DynamicLossScale(1.0)), batches, "graph")
+    bounded = tfdls.add_scale_boundaries(dense_stack(4, width=3, integer=True), every=1,
+                                         **pinned(1))
+    optimizer = prepare(bounded)
+    train_steps(bounded, optimizer, batches, "graph")
+    assert int(optimizer.loss_scale.num_skipped_steps.numpy()) == 0
+    return values(plain), values(bounded)
+
+
+def test_hand_assigned_fractions_are_read_the_same_backward_and_in_the_division():
+    # d0 is below three boundaries: 3 * 1.5 = 4.5 would divide by 2**4 what
+    # the backward passes multiplied by 2**3 (each truncated to 1).
+    def prepare(model):
+        for layer in model.layers:
+            if isinstance(layer, tfdls.ScaleBoundary):
+                layer.log2_factor.assign(1.5)
+        return tfdls.LossScaleOptimizer(keras.optimizers.SGD(2.0**-6),
+                                        tfdls.DynamicLossScale(1.0), scale_boundaries=model)
+
+    for a, b in zip(*_plain_and_bounded(prepare)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_layer_unfrozen_after_the_optimizer_read_the_model_trains_exactly():
+    def prepare(model):
+        model.get_layer("d0").trainable = False
+        optimizer = tfdls.LossScaleOptimizer(keras.optimizers.SGD(2.0**-6),
+                                             tfdls.DynamicLossScale(1.0), scale_boundaries=model)
+        model.get_layer("d0").trainable = True
+        return optimizer
+
+    for a, b in zip(*_plain_and_bounded(prepare)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_variable_the_optimizer_was_not_built_with_is_named():
+    model = tfdls.add_scale_boundaries(dense_stack(3), every=1)
+    optimizer = tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=model)
+    optimizer.build(model.trainable_variables)
+    stranger = keras.Variable(np.ones([2], "float32"), name="stranger")
+    with pytest.raises(ValueError, match="'stranger' is not one this optimizer was built with"):
+        optimizer.apply([tf.ones([2])], [stranger])
+
+
+def test_a_layer_shared_below_different_boundaries_is_refused_by_name():
+    shared = keras.layers.Dense(4, name="shared")
+    inputs = keras.Input((4,))
+    h = shared(keras.layers.Dense(4, name="a")(inputs))
+    h = shared(keras.layers.Dense(4, name="b")(h))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(h))
+    with pytest.raises(ValueError, match="layer 'shared' is called at more than one place"):
+        tfdls.add_scale_boundaries(model, every=1)
+
+
 @pytest.mark.parametrize(
     "name", [n if n in FAST_CLASSES else pytest.param(n, marks=pytest.mark.slow) for n in EXPORTED]
 )

@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdls import _distribute
+from tfdls.boundaries import integer_exponent
 
 
 def binary_exponent(value):
@@ -73,7 +74,7 @@ class BoundaryScales(tf.Module):
 
     def exponents(self):
         """This step's exponent per boundary (float32 scalars), read once."""
-        return [tf.convert_to_tensor(b.log2_factor) for b in self.boundaries]
+        return [integer_exponent(b.log2_factor) for b in self.boundaries]
 
     def totals(self, exponents):
         """Per segment, the exponent sum of the boundaries above it (float32 scalars)."""

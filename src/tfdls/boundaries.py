@@ -204,7 +204,7 @@ def _identity_scaling_gradient(x, boundary):
     def identity(value):
         def backward(upstream):
             seen.add(boundary)
-            exponent = tf.cast(tf.convert_to_tensor(boundary.log2_factor.value), tf.float32)
+            exponent = integer_exponent(boundary.log2_factor.value)
             exponent = tf.where(boundary._ownership.owned, exponent, 0.0)
             factor = power_of_two(tf.cast(exponent, tf.int32))
             return upstream * tf.cast(factor, upstream.dtype)
@@ -214,6 +214,16 @@ def _identity_scaling_gradient(x, boundary):
     if isinstance(x, (tf.Tensor, tf.Variable)) and not x.dtype.is_floating:
         return x
     return identity(x)
+
+
+def integer_exponent(log2_factor):
+    """`log2_factor` as a float32 integer, truncated toward zero.
+
+    The one reading of a factor, in the backward pass and in the division
+    alike, so a fraction assigned by hand cannot make them disagree.
+    """
+    value = tf.cast(tf.convert_to_tensor(log2_factor), tf.float32)
+    return tf.cast(tf.cast(value, tf.int32), tf.float32)  # the cast truncates
 
 
 class _Ownership:
@@ -391,16 +401,23 @@ def read_boundaries(model) -> BoundaryMap:
             continue
         if chain:
             _check_below_boundary(layer, chain)
-        for variable in layer.trainable_variables:
+        # Every weight, frozen or not: a layer may be unfrozen after this read.
+        for variable in layer.weights:
             indices = tuple(index[id(b)] for b in chain)
             for key in _keys(variable):
                 previous = chains.get(key)
                 if previous is not None and previous != indices:
-                    raise ValueError(_mixed_names(layer, [boundaries[i] for i in previous], [boundaries[i] for i in indices]))
+                    raise ValueError(
+                        f"tfdls: the variable {names[key]!r} is used by layers below different "
+                        f"scale boundaries ({[boundaries[i].name for i in previous]} and "
+                        f"{[boundaries[i].name for i in indices]}, the second at layer "
+                        f"{layer.name!r}); its gradient would mix two scales. Share no "
+                        "variable across a boundary."
+                    )
                 chains[key] = indices
                 names[key] = getattr(variable, "path", None) or variable.name
             variables.append((variable, indices))
-    if boundaries and not any(c == () for c in chains.values()):
+    if boundaries and not any(not c for v, c in variables if v.trainable):
         raise ValueError(
             "tfdls: every trainable variable of the model is below a scale boundary; the "
             "top boundary then does what the global loss scale does and has no block to "
@@ -422,7 +439,7 @@ def _check_below_boundary(layer, chain):
                 "gradients would mix two scales. Remove the regularizer (use the inner "
                 "optimizer's weight_decay) or move the boundary below this layer."
             )
-    for variable in layer.trainable_variables:
+    for variable in layer.weights:
         if getattr(variable, "overwrite_with_gradient", False):
             raise ValueError(
                 f"tfdls: the {below} and its variable {variable.path!r} takes its gradient "
@@ -506,7 +523,7 @@ def _functional_chains(model):
         if chain is None:
             continue
         if layer in layer_chains and layer_chains[layer] != chain:
-            raise ValueError(_mixed_names(layer, layer_chains[layer], chain))
+            raise ValueError(_mixed_names(layer, layer_chains[layer], chain, shared=True))
         if layer not in layer_chains:
             order.append(layer)
         layer_chains[layer] = chain
@@ -519,7 +536,15 @@ class _MixedPaths(Exception):
         self.layer, self.first, self.second = layer, first, second
 
 
-def _mixed_names(layer, first, second):
+def _mixed_names(layer, first, second, shared=False):
+    if shared:
+        return (
+            f"tfdls: the layer {layer.name!r} is called at more than one place in the model, "
+            f"below different scale boundaries ({[b.name for b in first]} at one, "
+            f"{[b.name for b in second]} at another); its gradient would mix two scales. "
+            "Place boundaries so every call of a shared layer is below the same ones "
+            "(add_scale_boundaries cannot for this model), or share no layer across one."
+        )
     return (
         f"tfdls: the gradient of layer {layer.name!r} reaches the model's outputs on paths "
         f"that cross different scale boundaries ({[b.name for b in first]} on one, "
@@ -588,6 +613,9 @@ def add_scale_boundaries(model, every: int = 1, **boundary_kwargs: Any):
             f"every={every}: it needs more than `every` layers with weights, and a point "
             "every path passes between them."
         )
+    # What the optimizer would refuse (a layer called at two depths, a
+    # regularizer below a boundary) is refused here, naming the cause.
+    read_boundaries(placed)
     return placed
 
 

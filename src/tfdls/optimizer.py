@@ -558,7 +558,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         base = _division.exponent_of(divisor)
         found = []
         for variable in trainable_variables:
-            segment = scales.segment_of[self._get_variable_index(variable)]
+            try:
+                position = self._get_variable_index(variable)
+            except KeyError:
+                raise ValueError(
+                    f"tfdls: the variable {getattr(variable, 'path', None) or variable.name!r} "
+                    "is not one this optimizer was built with, so it does not know which "
+                    "scale boundaries its gradient crossed. An optimizer updates the "
+                    "variables it was built with; make a new one for other variables."
+                ) from None
+            segment = scales.segment_of[position]
             if segment == 0:
                 found.append(None)
                 continue
