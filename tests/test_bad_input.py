@@ -293,6 +293,18 @@ def _stranger_with_boundaries():
     opt.apply([tf.ones([1])], [keras.Variable([1.0], name="stranger")])
 
 
+class _AddsLoss(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(tf.reduce_sum(x))
+        return x
+
+
+def _add_loss_below():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2), _AddsLoss(name="adds"),
+                              tfdls.ScaleBoundary(name="b"), keras.layers.Dense(1)])
+    _boundary_step(model, tfdls.LossScaleOptimizer(SGD(0.1), scale_boundaries=model))
+
+
 def _unknown_boundaries():
     # Traced: the function's gradients crossed the boundary.
     model = _stack()
@@ -347,6 +359,9 @@ CASES.update({
     ],
     "`add_scale_boundaries` of a model calling one layer below different boundaries": [
         (_shared_below_two_boundaries, ValueError, r"layer 'twice' is called at more than one place"),
+    ],
+    "`apply` after a layer below a boundary added a loss (`add_loss`)": [
+        (_add_loss_below, ValueError, r"layer 'adds' is below the scale boundary 'b' and its last call added a loss"),
     ],
     "`apply` with scale boundaries of a variable the optimizer was not built with": [
         (_stranger_with_boundaries, ValueError, r"'stranger' is not one this optimizer was built with"),

@@ -378,6 +378,32 @@ def test_a_variable_the_optimizer_was_not_built_with_is_named():
         optimizer.apply([tf.ones([2])], [stranger])
 
 
+class AddsLoss(keras.layers.Layer):
+    def call(self, x, training=None):
+        if training:
+            self.add_loss(1e-3 * tf.reduce_mean(tf.square(tf.cast(x, tf.float32))))
+        return x
+
+
+@pytest.mark.parametrize("where", ["below", "above"])
+def test_a_loss_added_below_a_boundary_is_refused_above_it_trains(where):
+    layers = [keras.Input((4,)), keras.layers.Dense(4, name="d0")]
+    layers += [AddsLoss(name="adds")] if where == "below" else []
+    layers += [tfdls.ScaleBoundary(name="b"), keras.layers.Dense(4, name="d1")]
+    layers += [AddsLoss(name="adds")] if where == "above" else []
+    model = keras.Sequential(layers + [keras.layers.Dense(1, name="d2")])
+    optimizer = tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=model)
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 1), "float32")
+    model.predict(x, verbose=0)  # a call without the loss first: the check reads the last call
+    if where == "below":
+        with pytest.raises(ValueError, match="layer 'adds' is below the scale boundary 'b'"):
+            model.fit(x, y, verbose=0)
+    else:
+        model.fit(x, y, verbose=0)
+        assert int(optimizer.iterations.numpy()) == 1
+
+
 def test_a_layer_shared_below_different_boundaries_is_refused_by_name():
     shared = keras.layers.Dense(4, name="shared")
     inputs = keras.Input((4,))

@@ -319,7 +319,8 @@ class BoundaryMap:
         chains: ``{variable key: indices of the boundaries above it, nearest
             first}``; a variable above every boundary has ``()``.
         names: ``{variable key: variable path}``.
-        variables: ``(variable, chain)`` pairs, one per trainable variable.
+        variables: ``(variable, chain)`` pairs, one per weight.
+        layers_below: ``(layer, nearest boundary above it)`` pairs.
     """
 
     boundaries: tuple
@@ -327,6 +328,12 @@ class BoundaryMap:
     chains: dict
     names: dict
     variables: tuple = ()
+    layers_below: tuple = ()
+
+    def layers_with_losses(self):
+        """The layers below a boundary whose last call added a loss (`add_loss`, or a
+        regularizer of a layer inside them); a Python read, at trace time."""
+        return [(layer, b) for layer, b in self.layers_below if layer.losses]
 
     def chain_of(self, variable):
         """The boundary indices above `variable` (nearest first), or None if unknown."""
@@ -395,12 +402,13 @@ def read_boundaries(model) -> BoundaryMap:
     for b in boundaries:
         chain = layer_chains[b]
         parents.append(index[id(chain[0])] if chain else -1)
-    chains, names, variables = {}, {}, []
+    chains, names, variables, layers_below = {}, {}, [], []
     for layer, chain in layer_chains.items():
         if isinstance(layer, ScaleBoundary):
             continue
         if chain:
             _check_below_boundary(layer, chain)
+            layers_below.append((layer, chain[0]))
         # Every weight, frozen or not: a layer may be unfrozen after this read.
         for variable in layer.weights:
             indices = tuple(index[id(b)] for b in chain)
@@ -423,7 +431,8 @@ def read_boundaries(model) -> BoundaryMap:
             "top boundary then does what the global loss scale does and has no block to "
             "compare with. Remove it, or move it below a layer with weights."
         )
-    return BoundaryMap(tuple(boundaries), tuple(parents), chains, names, tuple(variables))
+    return BoundaryMap(tuple(boundaries), tuple(parents), chains, names, tuple(variables),
+                       tuple(layers_below))
 
 
 def _check_below_boundary(layer, chain):

@@ -611,6 +611,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "again with optimizer.set_scale_boundaries(model) before training."
             )
         known = () if self._boundary_map is None else self._boundary_map.boundaries
+        if self._boundary_map is not None:
+            for layer, boundary in self._boundary_map.layers_with_losses():
+                raise ValueError(
+                    f"tfdls: the layer {layer.name!r} is below the scale boundary "
+                    f"{boundary.name!r} "
+                    "and its last call added a loss (add_loss, or a regularizer of a layer "
+                    "inside it): that term reaches its variables without crossing the "
+                    "boundary, so their gradients would mix two scales. Add the term in a "
+                    "layer above every boundary, or move the boundary below this layer."
+                )
 
         def unknown(boundaries):
             return sorted({b.name for b in boundaries if not any(b is k for k in known)})
