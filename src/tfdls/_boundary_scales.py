@@ -18,14 +18,14 @@ from tfdls.boundaries import integer_exponent
 
 
 def binary_exponent(value):
-    """floor(log2(value)) of a float32 scalar >= 0, from its bits, as float32; -inf for 0.
+    """floor(log2(value)) of float32 values >= 0 (elementwise), from the bits, as float32; -inf for 0 and below.
 
     Exact, so replicas and reruns agree bit for bit (a float32 log2 is not).
     Subnormals read as -127.
     """
     bits = tf.bitcast(tf.cast(value, tf.float32), tf.int32)
     exponent = tf.cast(tf.bitwise.right_shift(bits, 23), tf.float32) - 127.0
-    return tf.where(bits > 0, exponent, -float("inf"))
+    return tf.where(bits > 0, exponent, tf.fill(tf.shape(exponent), -float("inf")))
 
 
 class BoundaryScales(tf.Module):
@@ -146,17 +146,14 @@ class BoundaryScales(tf.Module):
                 (float32), the same on every replica.
             positions: per present gradient, its variable's index.
         """
-        bad, found = [], []
-        by_segment = [[] for _ in self.positions_of_segment]
-        for i, position in enumerate(positions):
-            by_segment[self.segment_of[position]].append(i)
-        for members in by_segment:
-            if not members:
-                bad.append(tf.constant(False))
-                found.append(tf.constant(-float("inf")))
-                continue
-            bad.append(tf.reduce_any(tf.gather(counts, members) > 0))
-            found.append(binary_exponent(tf.reduce_max(tf.gather(largest, members))))
+        segments = len(self.positions_of_segment)
+        ids = tf.constant([self.segment_of[p] for p in positions], tf.int32)
+        # One reduction each over all segments (an empty segment gets the
+        # dtype's lowest value: not bad, and no largest element).
+        bad = tf.unstack(tf.math.unsorted_segment_max(counts, ids, segments) > 0, segments)
+        found = tf.unstack(
+            binary_exponent(tf.math.unsorted_segment_max(largest, ids, segments)), segments
+        )
         return bad, found
 
     def lowered_names(self):

@@ -108,40 +108,55 @@ def exponent_of(power):
     return tf.bitwise.right_shift(bits, 23) - 127
 
 
+def reciprocal_pieces(exponent, max_exponent: int) -> list:
+    """Float32 powers of two whose product is ``2**-exponent``, exactly applied one after another.
+
+    For int32 exponents (a scalar or a vector, elementwise) with
+    |exponent| <= `max_exponent`: ``2**-e`` in ``n = ceil(|e| / 126)`` equal
+    pieces of at most 126 (each a normal float32), padded with ones to the
+    static count ``ceil(max_exponent / 126)``. Once a partial product is
+    subnormal, the pieces left divide by at least 2**63, so the quotient
+    rounds to zero either way; before, every partial product is exact.
+    """
+    count = max(1, math.ceil(max_exponent / _MAX_NORMAL_RECIPROCAL_EXPONENT))
+    exponent = tf.cast(exponent, tf.int32)
+    if count == 1:
+        return [power_of_two(-exponent)]
+    # n pieces in use: ceil(|e| / 126), at least 1; the first `extra` get one more.
+    size = tf.abs(exponent)
+    used = tf.maximum((size + _MAX_NORMAL_RECIPROCAL_EXPONENT - 1) // _MAX_NORMAL_RECIPROCAL_EXPONENT, 1)
+    share = size // used
+    extra = size - share * used
+    sign = tf.where(exponent < 0, -1, 1)
+    return [
+        power_of_two(-sign * tf.where(i < used, share + tf.cast(i < extra, tf.int32), 0))
+        for i in range(count)
+    ]
+
+
+def multiply_by_pieces(grad, pieces):
+    """`grad` times each of `pieces` (float32 scalars from `reciprocal_pieces`), in order.
+
+    For float16 and bfloat16 gradients the pieces are applied in float32 and
+    the result cast once.
+    """
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(multiply_by_pieces(grad.values, pieces), grad.indices,
+                                grad.dense_shape)
+    grad = tf.convert_to_tensor(grad)
+    narrow = grad.dtype in NARROW_FLOATS
+    result = tf.cast(grad, tf.float32) if narrow else grad
+    for piece in pieces:
+        result = result * tf.cast(piece, result.dtype)
+    return tf.cast(result, grad.dtype) if narrow else result
+
+
 def divide_by_power_of_two(grad, exponent, max_exponent: int):
     """``grad / 2**exponent`` correctly rounded, for an int32 `exponent` with |exponent| <= `max_exponent`.
 
-    As `reciprocal_factors`, extended to any range: ``2**-e`` is applied in
-    ``n = ceil(|e| / 126)`` equal pieces of at most 126 (each a normal
-    float32). Once a partial product is subnormal, the pieces left divide by
-    at least 2**63, so the quotient rounds to zero either way; before, every
-    partial product is exact. For float16 and bfloat16 gradients the pieces
-    are applied in float32 and the result cast once.
+    As `reciprocal_factors`, extended to any range (see `reciprocal_pieces`).
     """
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            divide_by_power_of_two(grad.values, exponent, max_exponent), grad.indices,
-            grad.dense_shape,
-        )
-    grad = tf.convert_to_tensor(grad)
-    narrow = grad.dtype in NARROW_FLOATS
-    wide = tf.cast(grad, tf.float32) if narrow else grad
-    pieces = max(1, math.ceil(max_exponent / _MAX_NORMAL_RECIPROCAL_EXPONENT))
-    exponent = tf.cast(exponent, tf.int32)
-    if pieces == 1:
-        result = wide * tf.cast(power_of_two(-exponent), wide.dtype)
-    else:
-        # n pieces in use: ceil(|e| / 126), at least 1; the first `extra` get one more.
-        size = tf.abs(exponent)
-        used = tf.maximum((size + _MAX_NORMAL_RECIPROCAL_EXPONENT - 1) // _MAX_NORMAL_RECIPROCAL_EXPONENT, 1)
-        share = size // used
-        extra = size - share * used
-        sign = tf.where(exponent < 0, -1, 1)
-        result = wide
-        for i in range(pieces):
-            piece = tf.where(i < used, share + tf.cast(i < extra, tf.int32), 0)
-            result = result * tf.cast(power_of_two(-sign * piece), wide.dtype)
-    return tf.cast(result, grad.dtype) if narrow else result
+    return multiply_by_pieces(grad, reciprocal_pieces(exponent, max_exponent))
 
 
 def divide(grad, divisor, how: str):

@@ -531,12 +531,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 with keras.name_scope(self.name, caller=self):
                     self.build(variables)
                 self.built = True
-            exponents = self._boundary_exponents(scale, tf.constant(False), variables)
+            pieces = self._boundary_pieces(scale, tf.constant(False), variables)
             unscaled = [
                 None if g is None
-                else _division.divide(g, scale, how) if e is None
-                else _division.divide_by_power_of_two(g, e, self._max_exponent())
-                for g, e in zip(grads, exponents)
+                else _division.divide(g, scale, how) if p is None
+                else _division.multiply_by_pieces(g, p)
+                for g, p in zip(grads, pieces)
             ]
         self._unscaling.record_unscaled(grads, unscaled)
         return unscaled
@@ -546,20 +546,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         depth = len(self._boundary_map.boundaries) if self._boundary_map else 0
         return 128 + max(abs(boundaries_lib.MIN_LOG2_FACTOR), boundaries_lib.MAX_LOG2_FACTOR) * depth
 
-    def _boundary_exponents(self, divisor, already_unscaled, trainable_variables, totals=None):
-        """Per variable: the int32 exponent to divide its gradient by, or None (no boundary above it).
+    def _boundary_pieces(self, divisor, already_unscaled, trainable_variables, totals=None):
+        """Per variable: the reciprocal pieces (`_division.reciprocal_pieces`) to divide its
+        gradient by, or None (no boundary above it).
 
-        ``log2(divisor) + T``, T the sum of the exponents of the boundaries
-        above the variable; 0 where the gradients are already unscaled.
+        The divisor of a variable below boundaries is ``2**(log2(divisor) + T)``,
+        T the sum of the exponents of the boundaries above it; 1 where the
+        gradients are already unscaled. Computed once per segment, as vectors.
         """
         scales = self._boundary_scales
         if totals is None:
             totals = scales.totals(scales.exponents())
-        base = _division.exponent_of(divisor)
-        found = []
+        positions = []
         for variable in trainable_variables:
             try:
-                position = self._get_variable_index(variable)
+                positions.append(self._get_variable_index(variable))
             except KeyError:
                 raise ValueError(
                     f"tfdls: the variable {getattr(variable, 'path', None) or variable.name!r} "
@@ -567,12 +568,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                     "scale boundaries its gradient crossed. An optimizer updates the "
                     "variables it was built with; make a new one for other variables."
                 ) from None
+        if len(totals) == 1:
+            return [None] * len(positions)
+        exponents = _division.exponent_of(divisor) + tf.cast(tf.stack(totals[1:]), tf.int32)
+        exponents = tf.where(already_unscaled, tf.zeros_like(exponents), exponents)
+        # [pieces, segments below a boundary] -> per segment, its pieces.
+        by_segment = tf.unstack(
+            tf.stack(_division.reciprocal_pieces(exponents, self._max_exponent()), axis=1)
+        )
+        found = []
+        for position in positions:
             segment = scales.segment_of[position]
-            if segment == 0:
-                found.append(None)
-                continue
-            total = base + tf.cast(totals[segment], tf.int32)
-            found.append(tf.where(already_unscaled, tf.zeros_like(total), total))
+            found.append(None if segment == 0 else tf.unstack(by_segment[segment - 1]))
         return found
 
     # -- applying -----------------------------------------------------------------
@@ -718,16 +725,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             exponents = self._boundary_scales.exponents()
             totals = self._boundary_scales.totals(exponents)
             boundary = (exponents, totals, already_unscaled)
-            per_variable = self._boundary_exponents(
+            per_variable = self._boundary_pieces(
                 divisor, already_unscaled, trainable_variables, totals
             )
         else:
             per_variable = [None] * len(grads)
         unscaled = [
             _as_value(g, scale, already_unscaled) if not d
-            else _division.divide(g, divisor, plan.division) if e is None
-            else _division.divide_by_power_of_two(g, e, self._max_exponent())
-            for g, d, e in zip(grads, plan.divide, per_variable)
+            else _division.divide(g, divisor, plan.division) if p is None
+            else _division.multiply_by_pieces(g, p)
+            for g, d, p in zip(grads, plan.divide, per_variable)
         ]
         checked = grads if plan.check == "scaled" else unscaled
         should_apply = self._update_loss_scale(
@@ -822,10 +829,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """The scale boundaries' step; returns whether the global scale answers an overflow."""
         exponents, totals, already_unscaled = boundary
         scales = self._boundary_scales
-        # Largest magnitude of each gradient as given (max(max, -min): plain
-        # reductions), the same on every replica.
+        # Largest magnitude of each gradient as given, the same on every
+        # replica. Both forms are exact; XLA fuses abs into one reduction
+        # (measured 2.8x faster on 512x512 float32 gradients, 2-core CPU),
+        # while without XLA abs would write a temporary, and max/min only read.
+        in_xla = _compat.in_xla_context()
         largest = tf.stack([
-            tf.cast(tf.maximum(tf.reduce_max(v), -tf.reduce_min(v)), tf.float32)
+            tf.cast(tf.reduce_max(tf.abs(v)) if in_xla
+                    else tf.maximum(tf.reduce_max(v), -tf.reduce_min(v)), tf.float32)
             for v in finite.gradient_values(present_grads)
         ])
         largest = _distribute.max_over_replicas(largest)
