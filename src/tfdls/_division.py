@@ -35,6 +35,8 @@ import math
 
 import tensorflow as tf
 
+from tfdls import _compat
+
 # Float types with less precision than float32: divided in float64.
 NARROW_FLOATS = (tf.float16, tf.bfloat16)
 # Float32's largest exponent whose reciprocal power of two is still normal.
@@ -151,12 +153,47 @@ def multiply_by_pieces(grad, pieces):
     return tf.cast(result, grad.dtype) if narrow else result
 
 
-def divide_by_power_of_two(grad, exponent, max_exponent: int):
+def power_of_two_float64(exponent):
+    """``2**exponent`` as float64, built from its bits, for int exponents in [-1022, 1023]."""
+    exponent = tf.cast(exponent, tf.int64)
+    return tf.bitcast(tf.bitwise.left_shift(exponent + 1023, tf.constant(52, tf.int64)), tf.float64)
+
+
+def divide_in_float64_by_power_of_two(grad, exponent):
+    """``grad / 2**exponent`` correctly rounded: one float64 multiply (exact), one rounding.
+
+    The form for steps outside XLA: TensorFlow's graph optimizer regroups a
+    chain of multiplies (``g * p1 * p2`` into ``g * (p1 * p2)``), and the
+    product of `multiply_by_pieces`' pieces underflows or overflows float32;
+    a single multiply cannot be regrouped. float16 and bfloat16 results are
+    rounded to odd at float32's precision first (see `divide`).
+    """
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(divide_in_float64_by_power_of_two(grad.values, exponent),
+                                grad.indices, grad.dense_shape)
+    grad = tf.convert_to_tensor(grad)
+    quotient = tf.cast(grad, tf.float64) * power_of_two_float64(-tf.cast(exponent, tf.int32))
+    if grad.dtype == tf.float64:
+        return quotient
+    if grad.dtype in NARROW_FLOATS:
+        return tf.cast(_to_float32_round_to_odd(quotient), grad.dtype)
+    return tf.cast(quotient, grad.dtype)
+
+
+def divide_by_power_of_two(grad, exponent, max_exponent: int, pieces=None):
     """``grad / 2**exponent`` correctly rounded, for an int32 `exponent` with |exponent| <= `max_exponent`.
 
-    As `reciprocal_factors`, extended to any range (see `reciprocal_pieces`).
+    Inside XLA (which does not regroup float multiplies): `grad` times the
+    pieces of `reciprocal_pieces` (given, or computed here), fused into one
+    pass. Elsewhere: `divide_in_float64_by_power_of_two`. Subnormal float32
+    and bfloat16 results are flushed to zero on CPUs, as all TensorFlow
+    arithmetic there does.
     """
-    return multiply_by_pieces(grad, reciprocal_pieces(exponent, max_exponent))
+    if not _compat.in_xla_context():
+        return divide_in_float64_by_power_of_two(grad, exponent)
+    if pieces is None:
+        pieces = reciprocal_pieces(exponent, max_exponent)
+    return multiply_by_pieces(grad, pieces)
 
 
 def divide(grad, divisor, how: str):

@@ -217,12 +217,13 @@ def _identity_scaling_gradient(x, boundary):
 
 
 def integer_exponent(log2_factor):
-    """`log2_factor` as a float32 integer, truncated toward zero.
+    """`log2_factor` as a float32 integer, truncated toward zero, within [-126, 127].
 
     The one reading of a factor, in the backward pass and in the division
-    alike, so a fraction assigned by hand cannot make them disagree.
+    alike, so a value assigned by hand (a fraction, or beyond float32's
+    powers of two) cannot make them disagree.
     """
-    value = tf.cast(tf.convert_to_tensor(log2_factor), tf.float32)
+    value = tf.clip_by_value(tf.cast(tf.convert_to_tensor(log2_factor), tf.float32), -126.0, 127.0)
     return tf.cast(tf.cast(value, tf.int32), tf.float32)  # the cast truncates
 
 

@@ -531,12 +531,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 with keras.name_scope(self.name, caller=self):
                     self.build(variables)
                 self.built = True
-            pieces = self._boundary_pieces(scale, tf.constant(False), variables)
+            divisors = self._boundary_divisors(scale, tf.constant(False), variables)
             unscaled = [
                 None if g is None
-                else _division.divide(g, scale, how) if p is None
-                else _division.multiply_by_pieces(g, p)
-                for g, p in zip(grads, pieces)
+                else _division.divide(g, scale, how) if d is None
+                else self._divide_by_boundaries(g, d)
+                for g, d in zip(grads, divisors)
             ]
         self._unscaling.record_unscaled(grads, unscaled)
         return unscaled
@@ -546,13 +546,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         depth = len(self._boundary_map.boundaries) if self._boundary_map else 0
         return 128 + max(abs(boundaries_lib.MIN_LOG2_FACTOR), boundaries_lib.MAX_LOG2_FACTOR) * depth
 
-    def _boundary_pieces(self, divisor, already_unscaled, trainable_variables, totals=None):
-        """Per variable: the reciprocal pieces (`_division.reciprocal_pieces`) to divide its
-        gradient by, or None (no boundary above it).
+    def _boundary_divisors(self, divisor, already_unscaled, trainable_variables, totals=None):
+        """Per variable: None (no boundary above it), or ``(exponent, pieces)`` to divide its
+        gradient by with `_division.divide_by_power_of_two`.
 
         The divisor of a variable below boundaries is ``2**(log2(divisor) + T)``,
         T the sum of the exponents of the boundaries above it; 1 where the
-        gradients are already unscaled. Computed once per segment, as vectors.
+        gradients are already unscaled. Computed once per segment, as vectors;
+        `pieces` (`_division.reciprocal_pieces`) only inside XLA.
         """
         scales = self._boundary_scales
         if totals is None:
@@ -568,19 +569,24 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                     "scale boundaries its gradient crossed. An optimizer updates the "
                     "variables it was built with; make a new one for other variables."
                 ) from None
-        if len(totals) == 1:
+        segments = len(totals) - 1
+        if not segments:
             return [None] * len(positions)
         exponents = _division.exponent_of(divisor) + tf.cast(tf.stack(totals[1:]), tf.int32)
         exponents = tf.where(already_unscaled, tf.zeros_like(exponents), exponents)
-        # [pieces, segments below a boundary] -> per segment, its pieces.
-        by_segment = tf.unstack(
-            tf.stack(_division.reciprocal_pieces(exponents, self._max_exponent()), axis=1)
-        )
-        found = []
-        for position in positions:
-            segment = scales.segment_of[position]
-            found.append(None if segment == 0 else tf.unstack(by_segment[segment - 1]))
-        return found
+        by_segment = [(e, None) for e in tf.unstack(exponents, segments)]
+        if _compat.in_xla_context():
+            # [pieces, segments] -> per segment, its pieces.
+            pieces = tf.unstack(tf.stack(
+                _division.reciprocal_pieces(exponents, self._max_exponent()), axis=1
+            ), segments)
+            by_segment = [(e, tf.unstack(p)) for (e, _), p in zip(by_segment, pieces)]
+        return [None if scales.segment_of[p] == 0 else by_segment[scales.segment_of[p] - 1]
+                for p in positions]
+
+    def _divide_by_boundaries(self, grad, divisor):
+        exponent, pieces = divisor
+        return _division.divide_by_power_of_two(grad, exponent, self._max_exponent(), pieces)
 
     # -- applying -----------------------------------------------------------------
 
@@ -725,16 +731,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             exponents = self._boundary_scales.exponents()
             totals = self._boundary_scales.totals(exponents)
             boundary = (exponents, totals, already_unscaled)
-            per_variable = self._boundary_pieces(
+            per_variable = self._boundary_divisors(
                 divisor, already_unscaled, trainable_variables, totals
             )
         else:
             per_variable = [None] * len(grads)
         unscaled = [
             _as_value(g, scale, already_unscaled) if not d
-            else _division.divide(g, divisor, plan.division) if p is None
-            else _division.multiply_by_pieces(g, p)
-            for g, d, p in zip(grads, plan.divide, per_variable)
+            else _division.divide(g, divisor, plan.division) if b is None
+            else self._divide_by_boundaries(g, b)
+            for g, d, b in zip(grads, plan.divide, per_variable)
         ]
         checked = grads if plan.check == "scaled" else unscaled
         should_apply = self._update_loss_scale(
