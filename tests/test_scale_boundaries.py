@@ -1034,8 +1034,9 @@ def test_division_by_a_power_of_two_is_correctly_rounded_in_every_mode(hypothesi
     check()
 
 
+@pytest.mark.parametrize("jit_compile", [False, "auto"])
 @pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
-def test_float32_model_with_a_scale_beyond_2_127_gets_the_float64_update(mode):
+def test_float32_model_with_a_scale_beyond_2_127_gets_the_float64_update(mode, jit_compile):
     """Loss scale 2**120 and a boundary at 2**10: the gradient below the
     boundary is divided by 2**130 (the graph optimizer's regrouping made it 0
     with jit_compile=False)."""
@@ -1049,7 +1050,7 @@ def test_float32_model_with_a_scale_beyond_2_127_gets_the_float64_update(mode):
     model.get_layer("d0").kernel.assign(k0)
     model.get_layer("d1").kernel.assign(k1)
     optimizer = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0), tfdls.DynamicLossScale(2.0**120),
-                                         scale_boundaries=model, jit_compile=False)
+                                         scale_boundaries=model, jit_compile=jit_compile)
     x = np.array([[1 / 64, 1 / 64]])
     train_steps(model, optimizer, [(x.astype("float32"), np.zeros((1, 1), "float32"))], mode,
                 loss_fn=lambda y, p: tf.reduce_sum(0.5 * tf.square(p - y)))
