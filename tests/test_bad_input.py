@@ -262,7 +262,7 @@ def _stack(regularizer=None, residual=False):
         h = keras.layers.Dense(2, name="stem")(inputs)
         branch = tfdls.ScaleBoundary(name="inside")(keras.layers.Dense(2)(h))
         return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Add()([h, branch])))
-    return keras.Sequential([keras.Input((2,)),
+    return keras.Sequential([keras.Input((2,)), tfdls.UnscaledInput(),
                              keras.layers.Dense(2, kernel_regularizer=regularizer, name="low"),
                              tfdls.ScaleBoundary(name="b"), keras.layers.Dense(1)])
 
@@ -300,9 +300,22 @@ class _AddsLoss(keras.layers.Layer):
 
 
 def _add_loss_below():
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2), _AddsLoss(name="adds"),
+    model = keras.Sequential([keras.Input((2,)), tfdls.UnscaledInput(), keras.layers.Dense(2),
+                              _AddsLoss(name="adds"),
                               tfdls.ScaleBoundary(name="b"), keras.layers.Dense(1)])
     _boundary_step(model, tfdls.LossScaleOptimizer(SGD(0.1), scale_boundaries=model))
+
+
+def _gradient_penalty():
+    model = _stack()
+    LSO(SGD(0.1), scale_boundaries=model)
+    x = tf.ones([1, 2])
+    with tf.GradientTape() as tape:
+        with tf.GradientTape() as inner:
+            inner.watch(x)
+            y = tf.reduce_sum(model(x))
+        loss = tf.reduce_sum(tf.square(inner.gradient(y, x)))
+    tape.gradient(loss, model.trainable_variables)
 
 
 def _unknown_boundaries():
@@ -371,6 +384,21 @@ CASES.update({
     ],
     "`get_unscaled_gradients(grads)` with scale boundaries, without `trainable_variables=`": [
         (_unscaled_without_variables, ValueError, r"trainable_variables=None"),
+    ],
+    "`scale_boundaries=` a model whose float input is used below a boundary without `UnscaledInput`": [
+        (lambda: LSO(SGD(0.1), scale_boundaries=keras.Sequential(
+            [keras.Input((2,), name="x"), keras.layers.Dense(2, name="low"),
+             tfdls.ScaleBoundary(name="b"), keras.layers.Dense(1)])), ValueError,
+         r"model input 'x' is used by layer 'low', below the scale boundaries \['b'\]"),
+    ],
+    "`UnscaledInput` not directly on a model input": [
+        (lambda: LSO(SGD(0.1), scale_boundaries=keras.Sequential(
+            [keras.Input((2,)), keras.layers.Dense(2), tfdls.UnscaledInput(name="late"),
+             tfdls.ScaleBoundary(), keras.layers.Dense(1)])), ValueError,
+         r"UnscaledInput 'late' is not the first layer"),
+    ],
+    "a gradient of a gradient through a boundary (a gradient penalty)": [
+        (_gradient_penalty, ValueError, r"gradient of a gradient through UnscaledInput '.*'"),
     ],
 })
 

@@ -145,7 +145,7 @@ def test_boundary_config_round_trip():
 def test_sequential_chains_nearest_first():
     model = tfdls.add_scale_boundaries(dense_stack(5), every=1)
     names = [layer.name for layer in model.layers]
-    assert names == ["d0", "scale_boundary_2", "d1", "scale_boundary_4", "d2",
+    assert names == ["unscaled_input", "d0", "scale_boundary_2", "d1", "scale_boundary_4", "d2",
                      "scale_boundary_6", "d3", "scale_boundary_8", "d4"]
     found = boundaries_lib.read_boundaries(model)
     # Parents first: the top boundary has no parent.
@@ -158,7 +158,7 @@ def test_sequential_chains_nearest_first():
 
 def residual_model(boundary_inside):
     inputs = keras.Input((4,))
-    h = keras.layers.Dense(4, name="stem")(inputs)
+    h = keras.layers.Dense(4, name="stem")(tfdls.UnscaledInput()(inputs))
     branch = keras.layers.Dense(4, name="branch")(h)
     if boundary_inside:
         branch = tfdls.ScaleBoundary(name="inside")(branch)
@@ -387,7 +387,7 @@ class AddsLoss(keras.layers.Layer):
 
 @pytest.mark.parametrize("where", ["below", "above"])
 def test_a_loss_added_below_a_boundary_is_refused_above_it_trains(where):
-    layers = [keras.Input((4,)), keras.layers.Dense(4, name="d0")]
+    layers = [keras.Input((4,)), tfdls.UnscaledInput(), keras.layers.Dense(4, name="d0")]
     layers += [AddsLoss(name="adds")] if where == "below" else []
     layers += [tfdls.ScaleBoundary(name="b"), keras.layers.Dense(4, name="d1")]
     layers += [AddsLoss(name="adds")] if where == "above" else []
@@ -458,7 +458,7 @@ def attenuated_model(with_boundaries=False, depth=3, attenuation=2.0**-10, seed=
     pinned at 1 / attenuation after each layer."""
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((8,))
-    h = inputs
+    h = tfdls.UnscaledInput()(inputs) if with_boundaries else inputs
     for i in range(depth):
         h = keras.layers.Dense(8, activation="tanh", name=f"low{i}")(h)
         if with_boundaries:
@@ -870,15 +870,17 @@ def test_placement_goes_after_layers_without_weights():
     h = keras.layers.Add(name="add")([h, branch])
     h = keras.layers.Activation("relu", name="relu")(h)
     model = keras.Model(inputs, keras.layers.Dense(1, name="head")(h))
-    names = [layer.name for layer in tfdls.add_scale_boundaries(model).layers[1:]]
+    placed = tfdls.add_scale_boundaries(model).layers
+    assert isinstance(placed[1], tfdls.UnscaledInput)
+    names = [layer.name for layer in placed[2:]]
     assert names == ["stem", "scale_boundary_1", "branch", "add", "relu", "scale_boundary_2", "head"]
     sequential = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3, name="a"),
                                    keras.layers.Activation("relu", name="r"),
                                    keras.layers.Dropout(0.1, name="drop"),
                                    keras.layers.Dense(1, name="b")])
     names = [layer.name for layer in tfdls.add_scale_boundaries(sequential).layers]
-    assert names[:3] == ["a", "r", "drop"] and names[-1] == "b"
-    assert isinstance(tfdls.add_scale_boundaries(sequential).layers[3], tfdls.ScaleBoundary)
+    assert names[:4] == ["unscaled_input", "a", "r", "drop"] and names[-1] == "b"
+    assert isinstance(tfdls.add_scale_boundaries(sequential).layers[4], tfdls.ScaleBoundary)
 
 
 def test_drawn_models_and_call_styles_match_float64(hypothesis):
@@ -896,7 +898,7 @@ def test_drawn_models_and_call_styles_match_float64(hypothesis):
         keras.mixed_precision.set_global_policy(policy)
         keras.utils.set_random_seed(1)
         inputs = keras.Input((4,))
-        h = inputs
+        h = tfdls.UnscaledInput()(inputs)
         for i in range(depth - 1):
             h = keras.layers.Dense(4, activation="tanh", name=f"h{i}")(h)
             if i in places:
@@ -1042,7 +1044,7 @@ def test_float32_model_with_a_scale_beyond_2_127_gets_the_float64_update(mode, j
     with jit_compile=False)."""
     keras.mixed_precision.set_global_policy("float32")
     model = keras.Sequential([
-        keras.Input((2,)), keras.layers.Dense(2, use_bias=False, name="d0"),
+        keras.Input((2,)), tfdls.UnscaledInput(), keras.layers.Dense(2, use_bias=False, name="d0"),
         tfdls.ScaleBoundary(**pinned(10)), keras.layers.Dense(1, use_bias=False, name="d1"),
     ])
     k0 = np.array([[1.0, 2.0], [3.0, -1.0]])

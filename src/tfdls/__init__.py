@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 # before anything else is imported.
 from tfdls import _compat  # noqa: F401
 
-from tfdls.boundaries import ScaleBoundary, add_scale_boundaries  # noqa: E402
+from tfdls.boundaries import ScaleBoundary, UnscaledInput, add_scale_boundaries  # noqa: E402
 from tfdls.callbacks import LossScaleMonitor  # noqa: E402
 from tfdls.finite import all_finite  # noqa: E402
 from tfdls.gradient_stats import GradientStats  # noqa: E402
@@ -34,6 +34,7 @@ __all__ = [
     "OverflowReport",
     "ScaleBoundary",
     "StepPlan",
+    "UnscaledInput",
     "add_scale_boundaries",
     "all_finite",
     "deserialize",

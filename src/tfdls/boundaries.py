@@ -31,7 +31,7 @@ Example:
 ...                           keras.layers.Dense(4), keras.layers.Dense(1)])
 >>> model = tfdls.add_scale_boundaries(model)
 >>> [type(layer).__name__ for layer in model.layers]
-['Dense', 'ScaleBoundary', 'Dense', 'ScaleBoundary', 'Dense']
+['UnscaledInput', 'Dense', 'ScaleBoundary', 'Dense', 'ScaleBoundary', 'Dense']
 >>> opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam(), scale_boundaries=model)
 >>> model.compile(optimizer=opt, loss="mse")
 >>> keras.mixed_precision.set_global_policy("float32")
@@ -49,7 +49,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdls._division import power_of_two
+from tfdls._division import divide_by_power_of_two, power_of_two
 
 # The backward multiply is done in the gradient's own dtype, so a factor must
 # be a power of two float16 holds as a normal number.
@@ -101,8 +101,8 @@ class ScaleBoundary(keras.layers.Layer):
     Example:
 
     >>> boundary = tfdls.ScaleBoundary(initial_log2_factor=3, name="b")
-    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2), boundary,
-    ...                           keras.layers.Dense(1)])
+    >>> model = keras.Sequential([keras.Input((2,)), tfdls.UnscaledInput(),
+    ...                           keras.layers.Dense(2), boundary, keras.layers.Dense(1)])
     >>> opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=model)
     >>> x = tf.constant([1.0, 2.0])
     >>> with tf.GradientTape() as tape:
@@ -207,13 +207,120 @@ def _identity_scaling_gradient(x, boundary):
             exponent = integer_exponent(boundary.log2_factor.value)
             exponent = tf.where(boundary._ownership.owned, exponent, 0.0)
             factor = power_of_two(tf.cast(exponent, tf.int32))
-            return upstream * tf.cast(factor, upstream.dtype)
+            return _first_order_only(upstream * tf.cast(factor, upstream.dtype), boundary)
 
         return tf.identity(value), backward
 
     if isinstance(x, (tf.Tensor, tf.Variable)) and not x.dtype.is_floating:
         return x
     return identity(x)
+
+
+@keras.saving.register_keras_serializable(package="tfdls")
+class UnscaledInput(keras.layers.Layer):
+    """An identity at a model input whose backward pass divides out the boundaries above it.
+
+    A `ScaleBoundary` multiplies every gradient that crosses it, and a
+    gradient with respect to a model's input crosses every boundary above
+    that input: a gradient penalty, a saliency map, or a GAN generator
+    trained through a discriminator with boundaries would otherwise carry
+    their factors. This layer divides them out again, exactly (powers of
+    two), so a gradient leaving the model carries the loss scale alone, as
+    it would without boundaries.
+
+    The rule: every floating-point model input whose gradient crosses a
+    boundary is used only through an `UnscaledInput` placed directly on it;
+    `read_boundaries` (and so ``LossScaleOptimizer(scale_boundaries=model)``)
+    refuses a model where one is missing, and `add_scale_boundaries` places
+    them. Which boundaries are above it is read from the model's graph when
+    the model is read; until then (a model just loaded, never given to an
+    optimizer) its boundaries are not owned and it is an identity both ways.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((2,)), tfdls.UnscaledInput(),
+    ...                           keras.layers.Dense(2), tfdls.ScaleBoundary(initial_log2_factor=3),
+    ...                           keras.layers.Dense(1)])
+    >>> opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=model)
+    >>> x = tf.constant([[1.0, 2.0]])
+    >>> with tf.GradientTape() as tape:
+    ...     tape.watch(x)
+    ...     y = tf.reduce_sum(model(x))
+    >>> plain = keras.Sequential(model.layers[1:2] + model.layers[3:])  # no boundary
+    >>> with tf.GradientTape() as tape2:
+    ...     tape2.watch(x)
+    ...     y2 = tf.reduce_sum(plain(x))
+    >>> bool(tf.reduce_all(tape.gradient(y, x) == tape2.gradient(y2, x)))
+    True
+    """
+
+    def __init__(self, **kwargs: Any):
+        kwargs.setdefault("autocast", False)
+        super().__init__(**kwargs)
+        self.supports_masking = True
+
+    def build(self, input_shape=None):
+        self.built = True
+
+    def call(self, inputs):
+        return _identity_unscaling_gradient(inputs, self)
+
+    def compute_output_spec(self, inputs):
+        return keras.KerasTensor(inputs.shape, dtype=inputs.dtype, sparse=inputs.sparse)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+# {UnscaledInput: the boundaries above it}, set when its model is read. Out of
+# the layer, where Keras would track the boundaries as its sublayers.
+_boundaries_above_input = weakref.WeakKeyDictionary()
+
+
+def _identity_unscaling_gradient(x, layer):
+    @tf.custom_gradient
+    def identity(value):
+        def backward(upstream):
+            above = _boundaries_above_input.get(layer, ())
+            if not above:
+                return upstream
+            exponents = [
+                tf.where(b._ownership.owned, integer_exponent(b.log2_factor.value), 0.0)
+                for b in above
+            ]
+            total = tf.cast(tf.add_n(exponents), tf.int32)
+            return _first_order_only(divide_by_power_of_two(upstream, total, 127 * len(above)),
+                                     layer)
+
+        return tf.identity(value), backward
+
+    if isinstance(x, (tf.Tensor, tf.Variable)) and not x.dtype.is_floating:
+        return x
+    return identity(x)
+
+
+def _first_order_only(gradient, layer):
+    """`gradient`, refusing to be differentiated (a gradient penalty through a boundary).
+
+    A second-order gradient through a boundary mixes scales: the penalty's
+    gradient reaches a variable below a boundary without its factor (the
+    factors of the inner gradient cancel at `UnscaledInput`), while the
+    optimizer divides that variable's gradient by them. Refused, not guessed.
+    """
+    @tf.custom_gradient
+    def identity(value):
+        def second_order(upstream):
+            raise ValueError(
+                f"tfdls: a gradient of a gradient through {type(layer).__name__} {layer.name!r} "
+                "(a gradient penalty, a Hessian-vector product): the model's variables' gradients "
+                "would mix the scale boundaries' factors with terms that carry none, which "
+                "no division can undo. Compute such terms on a model without scale "
+                "boundaries."
+            )
+
+        return tf.identity(value), second_order
+
+    return identity(gradient)
 
 
 def integer_exponent(log2_factor):
@@ -271,8 +378,36 @@ class _SeenBoundaries:
 seen = _SeenBoundaries()
 
 
-# The attribute that marks a variable with the owned boundaries above it.
+# The attributes that mark a variable with the boundaries above it: in the
+# models read (`read_boundaries`), and those of them an optimizer owns.
+_READ_ABOVE = "_tfdls_boundaries_above"
 _OWNED_ABOVE = "_tfdls_owned_boundaries_above"
+
+# The boundaries of the models read: their inputs' gradients are unscaled
+# (`UnscaledInput`), so a gradient from outside the model that crosses them
+# leaves it without their factors.
+_sealed = weakref.WeakSet()
+
+
+def _mark(boundary_map, attribute):
+    for variable, indices in boundary_map.variables:
+        if not indices:
+            continue
+        for target in (variable, getattr(variable, "_value", None)):
+            if target is None:
+                continue
+            marks = getattr(target, attribute, None)
+            if marks is None:
+                marks = weakref.WeakSet()
+                setattr(target, attribute, marks)
+            marks.update(boundary_map.boundaries[i] for i in indices)
+
+
+def _marks(variable, attribute):
+    found = []
+    for target in (variable, getattr(variable, "_value", None)):
+        found.extend(getattr(target, attribute, None) or ())
+    return found
 
 
 def take_ownership(boundary_map: "BoundaryMap") -> None:
@@ -284,25 +419,22 @@ def take_ownership(boundary_map: "BoundaryMap") -> None:
     """
     for boundary in boundary_map.boundaries:
         boundary._ownership.owned.assign(True)
-    for variable, indices in boundary_map.variables:
-        if not indices:
-            continue
-        for target in (variable, getattr(variable, "_value", None)):
-            if target is None:
-                continue
-            marks = getattr(target, _OWNED_ABOVE, None)
-            if marks is None:
-                marks = weakref.WeakSet()
-                setattr(target, _OWNED_ABOVE, marks)
-            marks.update(boundary_map.boundaries[i] for i in indices)
+    _mark(boundary_map, _OWNED_ABOVE)
 
 
 def owned_boundaries_above(variable) -> list:
     """The owned boundaries above `variable` in the models optimizers were given."""
-    found = []
-    for target in (variable, getattr(variable, "_value", None)):
-        found.extend(getattr(target, _OWNED_ABOVE, None) or ())
-    return found
+    return _marks(variable, _OWNED_ABOVE)
+
+
+def boundaries_above(variable) -> list:
+    """The boundaries above `variable` in every model read, owned or not."""
+    return _marks(variable, _READ_ABOVE)
+
+
+def is_sealed(boundary) -> bool:
+    """Whether `boundary`'s model was read, so its inputs' gradients are unscaled."""
+    return boundary in _sealed
 
 
 # -- reading a model's boundaries ---------------------------------------------------
@@ -384,9 +516,9 @@ def read_boundaries(model) -> BoundaryMap:
             f"graph tfdls can read; got scale_boundaries={model!r}"
         )
     if isinstance(model, keras.Sequential):
-        layer_chains, order = _sequential_chains(model)
+        layer_chains, order, input_uses = _sequential_chains(model)
     else:
-        layer_chains, order = _functional_chains(model)
+        layer_chains, order, input_uses = _functional_chains(model)
     for layer in layer_chains:
         if not isinstance(layer, ScaleBoundary) and _contains_boundary(layer):
             raise ValueError(
@@ -432,8 +564,47 @@ def read_boundaries(model) -> BoundaryMap:
             "top boundary then does what the global loss scale does and has no block to "
             "compare with. Remove it, or move it below a layer with weights."
         )
-    return BoundaryMap(tuple(boundaries), tuple(parents), chains, names, tuple(variables),
-                       tuple(layers_below))
+    _check_inputs_unscaled(input_uses)
+    for layer, chain in layer_chains.items():
+        if isinstance(layer, UnscaledInput):
+            previous = _boundaries_above_input.get(layer)
+            if previous is not None and [id(b) for b in previous] != [id(b) for b in chain]:
+                raise ValueError(
+                    f"tfdls: the UnscaledInput {layer.name!r} is below the scale boundaries "
+                    f"{[b.name for b in previous]} in one model and {[b.name for b in chain]} "
+                    "in another; it can divide out only one set. Give each model its own."
+                )
+    boundary_map = BoundaryMap(tuple(boundaries), tuple(parents), chains, names,
+                               tuple(variables), tuple(layers_below))
+    # Read and checked: now the model's inputs divide out the boundaries above
+    # them, and its variables are marked with them.
+    for layer, chain in layer_chains.items():
+        if isinstance(layer, UnscaledInput):
+            _boundaries_above_input[layer] = tuple(chain)
+    _sealed.update(boundaries)
+    _mark(boundary_map, _READ_ABOVE)
+    return boundary_map
+
+
+def _check_inputs_unscaled(input_uses):
+    """Refuses a float model input used, below a boundary, other than through an `UnscaledInput`.
+
+    `input_uses`: ``(input name, dtype, consuming layer, chain)`` per use of a
+    model input, ``chain`` the boundaries above the use (None: no path to the
+    outputs); a boundary consuming the input directly counts as above it.
+    """
+    for name, dtype, layer, chain in input_uses:
+        if isinstance(layer, UnscaledInput) or not chain:
+            continue
+        if not tf.as_dtype(dtype).is_floating:
+            continue  # no gradient with respect to it (token ids, masks)
+        raise ValueError(
+            f"tfdls: the model input {name!r} is used by layer {layer.name!r}, below the "
+            f"scale boundaries {[b.name for b in chain]}: the gradient with respect to that "
+            "input (a saliency map, a GAN generator trained through this model) would "
+            "carry their factors. Use the input only through a tfdls.UnscaledInput() placed "
+            "directly on it (add_scale_boundaries places one), which divides them out."
+        )
 
 
 def _check_below_boundary(layer, chain):
@@ -471,7 +642,22 @@ def _sequential_chains(model):
         chains[layer] = above
         if isinstance(layer, ScaleBoundary):
             above = (layer,) + above
-    return chains, layers
+    for position, layer in enumerate(layers):
+        if isinstance(layer, UnscaledInput) and position > 0:
+            raise ValueError(
+                f"tfdls: the UnscaledInput {layer.name!r} is not the first layer of the "
+                "Sequential model; it divides the gradient of the model's input, so it goes "
+                "directly on the input."
+            )
+    input_uses = []
+    if layers:
+        first = layers[0]
+        inputs = getattr(model, "inputs", None) or []
+        dtype = inputs[0].dtype if inputs else "float32"
+        name = _input_name(inputs[0]) if inputs else "input"
+        chain = chains[first] + ((first,) if isinstance(first, ScaleBoundary) else ())
+        input_uses.append((name, dtype, first, chain))
+    return chains, layers, input_uses
 
 
 def _functional_chains(model):
@@ -521,6 +707,8 @@ def _functional_chains(model):
 
     layer_chains = {}
     order = []
+    input_ids = {id(t) for t in model.inputs}
+    input_uses = []
     # Nodes from the outputs down: a node's consumers are resolved first.
     for node in nodes:
         layer = node.operation
@@ -537,7 +725,24 @@ def _functional_chains(model):
         if layer not in layer_chains:
             order.append(layer)
         layer_chains[layer] = chain
-    return layer_chains, order
+        if isinstance(layer, UnscaledInput) and not all(
+                id(t) in input_ids for t in node.input_tensors):
+            raise ValueError(
+                f"tfdls: the UnscaledInput {layer.name!r} is not placed directly on a model "
+                "input; it divides the gradient of the model's input, so it goes directly on "
+                "the input."
+            )
+        use_chain = chain + ((layer,) if isinstance(layer, ScaleBoundary) else ())
+        for tensor in node.input_tensors:
+            if id(tensor) in input_ids:
+                input_uses.append((_input_name(tensor), tensor.dtype, layer, use_chain))
+    return layer_chains, order, input_uses
+
+
+def _input_name(tensor):
+    history = getattr(tensor, "_keras_history", None)
+    operation = history.operation if history is not None else None
+    return getattr(operation, "name", None) or getattr(tensor, "name", "input")
 
 
 class _MixedPaths(Exception):
@@ -588,14 +793,14 @@ def add_scale_boundaries(model, every: int = 1, **boundary_kwargs: Any):
 
     Example:
 
-    >>> inputs = keras.Input((4,))
+    >>> inputs = keras.Input((4,), name="x")
     >>> h = keras.layers.Dense(4, name="stem")(inputs)
     >>> branch = keras.layers.Dense(4, name="branch")(h)
     >>> h = keras.layers.Add(name="add")([h, branch])
     >>> model = keras.Model(inputs, keras.layers.Dense(1, name="head")(h))
     >>> placed = tfdls.add_scale_boundaries(model)
     >>> [layer.name for layer in placed.layers[1:]]  # never between stem and add
-    ['stem', 'scale_boundary_1', 'branch', 'add', 'scale_boundary_2', 'head']
+    ['unscaled_x', 'stem', 'scale_boundary_1', 'branch', 'add', 'scale_boundary_2', 'head']
     """
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"`every` must be an int >= 1; got every={every!r}")
@@ -637,13 +842,18 @@ def _add_to_sequential(model, every, boundary_kwargs):
     new_layers = []
     if getattr(model, "_functional", None) is not None:
         new_layers.append(keras.Input(batch_shape=model.inputs[0].shape, dtype=model.inputs[0].dtype))
+        unscaled = int(tf.as_dtype(model.inputs[0].dtype).is_floating)
+    else:
+        unscaled = 1  # it passes integer inputs through
+    if unscaled:
+        new_layers.append(UnscaledInput(name="unscaled_input"))
     since, pending = 0, False
     for layer in model.layers:
         if _has_weights(layer) and pending:
             # Right below the next layer with weights, after any without
             # (activations, dropout): XLA then need not copy the multiply
             # into several consumers of a residual sum.
-            new_layers.append(ScaleBoundary(name=f"scale_boundary_{len(new_layers)}", **boundary_kwargs))
+            new_layers.append(ScaleBoundary(name=f"scale_boundary_{len(new_layers) - unscaled}", **boundary_kwargs))
             since, pending = 0, False
         new_layers.append(layer)
         if _has_weights(layer):
@@ -690,9 +900,23 @@ def _add_to_functional(model, every, boundary_kwargs):
         for t in model.inputs
     ]
     values = {id(old): new for old, new in zip(model.inputs, new_inputs)}
+    input_names = {id(old): new.name for old, new in zip(model.inputs, new_inputs)}
+    uses = {}
     count = 0
     for node in nodes:
-        args, kwargs = node.arguments.fill_in(values)
+        node_values = values
+        # Each use of a float input through its own UnscaledInput: one used
+        # below a boundary and also above it divides each path by its own.
+        for tensor in node.input_tensors:
+            if id(tensor) in input_names and "float" in str(tensor.dtype):
+                if node_values is values:
+                    node_values = dict(values)
+                name = f"unscaled_{input_names[id(tensor)]}"
+                uses[name] = uses.get(name, 0) + 1
+                if uses[name] > 1:
+                    name = f"{name}_{uses[name]}"
+                node_values[id(tensor)] = UnscaledInput(name=name)(values[id(tensor)])
+        args, kwargs = node.arguments.fill_in(node_values)
         result = node.operation(*args, **kwargs)
         flat = keras.tree.flatten(result)
         for old, new in zip(node.output_tensors, flat):

@@ -649,7 +649,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                     "Give it the model: LossScaleOptimizer(..., scale_boundaries=model), or "
                     "optimizer.set_scale_boundaries(model)."
                 )
-        names = unknown(boundaries_lib.seen.visible())
+        # Gradients that crossed, in this trace, boundaries not given: those of a
+        # model never read (it may be owned after the trace), or above a
+        # variable applied here (the boundary may be owned after the trace). A
+        # read model's boundaries crossed by other gradients are divided out
+        # again at its inputs (UnscaledInput): a GAN generator, a second model.
+        crossed = boundaries_lib.seen.visible()
+        below = {id(b) for v in trainable_variables for b in boundaries_lib.boundaries_above(v)}
+        names = unknown(b for b in crossed
+                        if not boundaries_lib.is_sealed(b) or id(b) in below)
         if names:
             raise ValueError(
                 f"tfdls: the gradients crossed the scale boundaries {names}, which this "

@@ -1,0 +1,245 @@
+"""Gradients that leave a model with scale boundaries: `UnscaledInput` divides out the
+factors of the boundaries above each input, so the gradient with respect to an input (a
+saliency map, a GAN generator trained through a discriminator) is the plain model's.
+
+Checked against the same layers without boundaries: power-of-two factors commute with
+float32 arithmetic while nothing overflows or underflows, so the gradients are
+bit-identical. A factor left in is off by 2**k, k >= 1.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdls
+
+MODES = ["eager", "graph", "xla"]
+
+
+def pinned(k):
+    return dict(initial_log2_factor=k, min_log2_factor=k, max_log2_factor=k)
+
+
+def run(fn, mode):
+    if mode == "eager":
+        return fn()
+    return tf.function(fn, jit_compile=mode == "xla")()
+
+
+def twin_models(depth, places, seed=0, width=4, out=1, name="m"):
+    """Two models with the same weights: Dense layers with boundaries (pinned at
+    ``2**places[i]`` after layer i) and an UnscaledInput, and without either."""
+
+    def build(with_boundaries):
+        keras.utils.set_random_seed(seed)
+        inputs = keras.Input((width,))
+        h = tfdls.UnscaledInput()(inputs) if with_boundaries else inputs
+        for i in range(depth - 1):
+            h = keras.layers.Dense(width, activation="tanh", name=f"{name}{i}")(h)
+            if with_boundaries and i in places:
+                h = tfdls.ScaleBoundary(**pinned(places[i]))(h)
+        return keras.Model(inputs, keras.layers.Dense(out, name=f"{name}_out")(h))
+
+    return build(True), build(False)
+
+
+@pytest.fixture(autouse=True)
+def float32_policy():
+    keras.mixed_precision.set_global_policy("float32")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_drawn_models_give_the_plain_input_gradient():
+    """Drawn depth, boundary places and factors, mode: the gradient with respect to the
+    input through owned boundaries equals the plain model's, bit for bit."""
+    pytest.importorskip("hypothesis")
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    x = tf.constant(np.random.default_rng(2).normal(size=(3, 4)).astype("float32"))
+
+    @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(depth=st.integers(2, 5), data=st.data(), mode=st.sampled_from(MODES))
+    def check(depth, data, mode):
+        places = data.draw(st.dictionaries(st.integers(0, depth - 2), st.integers(-14, 15),
+                                           min_size=1))
+        with_boundaries, plain = twin_models(depth, places)
+        tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=with_boundaries)
+
+        def input_gradients():
+            found = []
+            for model in (with_boundaries, plain):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    y = tf.reduce_sum(model(x) * tf.constant([[1.0], [-2.0], [0.5]]))
+                found.append(tape.gradient(y, x))
+            return found
+
+        scaled, expected = run(input_gradients, mode)
+        np.testing.assert_array_equal(scaled.numpy(), expected.numpy())
+
+    check()
+
+
+def test_placed_functional_model_with_an_input_used_above_and_below_a_boundary():
+    """add_scale_boundaries gives every use of an input its own UnscaledInput: one below
+    the boundaries, one above them."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(4, activation="tanh", name="a")(inputs)
+    h = keras.layers.Dense(4, activation="tanh", name="b")(h)
+    h = keras.layers.Concatenate(name="cat")([h, inputs])
+    plain = keras.Model(inputs, keras.layers.Dense(1, name="head")(h))
+    placed = tfdls.add_scale_boundaries(plain, every=1, **pinned(7))
+    assert sum(isinstance(layer, tfdls.UnscaledInput) for layer in placed.layers) == 2
+    tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=placed)
+    x = tf.constant(np.random.default_rng(4).normal(size=(5, 3)).astype("float32"))
+    for mode in MODES:
+        def input_gradients():
+            found = []
+            for model in (placed, plain):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    y = tf.reduce_sum(model(x))
+                found.append(tape.gradient(y, x))
+            return found
+
+        scaled, expected = run(input_gradients, mode)
+        np.testing.assert_array_equal(scaled.numpy(), expected.numpy())
+
+
+def gan_step(generator, discriminator, g_opt, d_opt, z, real):
+    """One step of each model, each with its own optimizer: the generator's gradient
+    crosses the discriminator's boundaries and its UnscaledInput."""
+    with tf.GradientTape() as tape:
+        loss = g_opt.scale_loss(-tf.reduce_mean(discriminator(generator(z))))
+    g_grads = tape.gradient(loss, generator.trainable_variables)
+    with tf.GradientTape() as tape:
+        loss = d_opt.scale_loss(tf.reduce_mean(discriminator(generator(z)))
+                                - tf.reduce_mean(discriminator(real)))
+    d_grads = tape.gradient(loss, discriminator.trainable_variables)
+    return g_grads, d_grads
+
+
+@pytest.mark.parametrize("mode", MODES + ["split"])
+def test_two_models_with_boundaries_and_their_own_optimizers_match_the_plain_ones(mode):
+    """A GAN: both models with owned boundaries, each with its own optimizer, both applied
+    in one traced step (or gradients from one tf.function applied eagerly: "split"). The
+    weights after two steps equal those of the same models without boundaries."""
+    rng = np.random.default_rng(6)
+    z = tf.constant(rng.normal(size=(6, 4)).astype("float32"))
+    real = tf.constant(rng.normal(size=(6, 4)).astype("float32"))
+    g_b, g_plain = twin_models(3, {0: 5, 1: -3}, seed=1, out=4, name="g")
+    d_b, d_plain = twin_models(4, {0: 9, 2: 4}, seed=2, name="d")
+    runs = []
+    for generator, discriminator, boundaries in ((g_b, d_b, True), (g_plain, d_plain, False)):
+        start = [v.numpy() for v in generator.trainable_variables + discriminator.trainable_variables]
+        make = lambda model: tfdls.LossScaleOptimizer(  # noqa: E731
+            keras.optimizers.SGD(0.1), tfdls.DynamicLossScale(2.0**10),
+            scale_boundaries=model if boundaries else None)
+        g_opt, d_opt = make(generator), make(discriminator)
+
+        def step():
+            g_grads, d_grads = gan_step(generator, discriminator, g_opt, d_opt, z, real)
+            g_opt.apply(g_grads, generator.trainable_variables)
+            d_opt.apply(d_grads, discriminator.trainable_variables)
+
+        for _ in range(2):
+            if mode == "split":
+                g_grads, d_grads = tf.function(
+                    lambda: gan_step(generator, discriminator, g_opt, d_opt, z, real))()
+                g_opt.apply(g_grads, generator.trainable_variables)
+                d_opt.apply(d_grads, discriminator.trainable_variables)
+            else:
+                run(step, mode)
+        runs.append([v.numpy() for v in generator.trainable_variables + discriminator.trainable_variables])
+    assert len(runs[0]) == len(runs[1])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    assert any((a != b).any() for a, b in zip(runs[1], start))  # the steps moved the weights
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("through", ["ScaleBoundary", "UnscaledInput"])
+def test_a_gradient_penalty_through_boundaries_is_refused(mode, through):
+    """A gradient of a gradient through a boundary mixes scales: refused, naming it."""
+    model, _ = twin_models(3, {0: 4})
+    tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=model)
+    boundary = tfdls.ScaleBoundary(**pinned(4), name="alone")
+    boundary._ownership.owned.assign(True)  # as an optimizer given its model does
+    head = keras.layers.Dense(1)
+    x = tf.ones([2, 4])
+
+    def penalty():
+        with tf.GradientTape() as tape:
+            with tf.GradientTape() as inner_tape:
+                inner_tape.watch(x)
+                if through == "ScaleBoundary":
+                    y = tf.reduce_sum(head(boundary(x)))  # no UnscaledInput on the way
+                else:
+                    y = tf.reduce_sum(model(x))
+            grad = inner_tape.gradient(y, x)
+            loss = y + tf.reduce_sum(tf.square(grad))
+        variables = head.trainable_variables if through == "ScaleBoundary" else \
+            model.trainable_variables
+        return tape.gradient(loss, variables)
+
+    with pytest.raises(ValueError, match=f"a gradient of a gradient through {through}"):
+        run(penalty, mode)
+
+
+def test_the_input_rule_is_enforced():
+    hand_built = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="low"),
+                                   tfdls.ScaleBoundary(name="b"), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match=r"model input '.*' is used by layer 'low', below the "
+                                         r"scale boundaries \['b'\].*UnscaledInput"):
+        tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=hand_built)
+    misplaced = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2),
+                                  tfdls.UnscaledInput(name="late"), tfdls.ScaleBoundary(),
+                                  keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="UnscaledInput 'late' is not the first layer"):
+        tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=misplaced)
+    inputs = keras.Input((2,))
+    h = keras.layers.Dense(2)(inputs)
+    h = tfdls.UnscaledInput(name="inner")(h)
+    functional = keras.Model(inputs, keras.layers.Dense(1)(tfdls.ScaleBoundary()(h)))
+    with pytest.raises(ValueError, match="UnscaledInput 'inner' is not placed directly on a model input"):
+        tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=functional)
+    # An integer input has no gradient: no UnscaledInput needed.
+    ids = keras.Input((3,), dtype="int32")
+    h = keras.layers.Flatten()(keras.layers.Embedding(10, 2)(ids))
+    h = tfdls.ScaleBoundary()(keras.layers.Dense(2)(h))
+    tfdls.LossScaleOptimizer(keras.optimizers.SGD(),
+                             scale_boundaries=keras.Model(ids, keras.layers.Dense(1)(h)))
+
+
+def test_an_unscaled_input_in_two_models_below_different_boundaries_is_refused():
+    unscale = tfdls.UnscaledInput(name="shared_unscale")
+    dense = keras.layers.Dense(2)
+    inputs = keras.Input((2,))
+    h = dense(unscale(inputs))
+    one = keras.Model(inputs, keras.layers.Dense(1)(tfdls.ScaleBoundary(name="first")(h)))
+    two = keras.Model(inputs, keras.layers.Dense(1)(tfdls.ScaleBoundary(name="second")(h)))
+    tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=one)
+    with pytest.raises(ValueError, match=r"UnscaledInput 'shared_unscale' is below the scale "
+                                         r"boundaries \['first'\] in one model and \['second'\]"):
+        tfdls.boundaries.read_boundaries(two)
+
+
+def test_unscaled_input_saves_and_loads(tmp_path):
+    model, _ = twin_models(3, {0: 6})
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert sum(isinstance(layer, tfdls.UnscaledInput) for layer in loaded.layers) == 1
+    tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=loaded)
+    x = tf.ones([2, 4])
+    grads = []
+    for m in (loaded, model):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(m(x))
+        grads.append(tape.gradient(y, x).numpy())
+    # `model` is not owned (identity both ways), `loaded` is (factor and division).
+    np.testing.assert_array_equal(*grads)
