@@ -243,3 +243,33 @@ def test_unscaled_input_saves_and_loads(tmp_path):
         grads.append(tape.gradient(y, x).numpy())
     # `model` is not owned (identity both ways), `loaded` is (factor and division).
     np.testing.assert_array_equal(*grads)
+
+
+def test_an_input_gradient_traced_before_the_model_was_read_is_refused():
+    """A trace made before the optimizer owned the boundaries divides by nothing, and
+    would keep doing so once they scale: the optimizer refuses the model."""
+    model, _ = twin_models(3, {0: 6})
+    x = tf.ones([2, 4])
+
+    @tf.function
+    def saliency():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(model(x))
+        return tape.gradient(y, x)
+
+    saliency()
+    with pytest.raises(ValueError, match=r"UnscaledInput '.*' was traced in a tf.function "
+                                         r"before its model was given to an optimizer"):
+        tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=model)
+    # Eagerly the division is read when the backward pass runs: nothing to refuse.
+    fresh, plain = twin_models(3, {0: 6}, seed=1)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = tf.reduce_sum(fresh(x))
+    before = tape.gradient(y, x)
+    tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=fresh)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = tf.reduce_sum(fresh(x))
+    np.testing.assert_array_equal(tape.gradient(y, x).numpy(), before.numpy())

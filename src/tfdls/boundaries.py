@@ -275,13 +275,18 @@ class UnscaledInput(keras.layers.Layer):
 # {UnscaledInput: the boundaries above it}, set when its model is read. Out of
 # the layer, where Keras would track the boundaries as its sublayers.
 _boundaries_above_input = weakref.WeakKeyDictionary()
+# UnscaledInputs whose backward pass was traced before their model was read:
+# that trace divides by nothing, and its boundaries may be owned later.
+_traced_unread = weakref.WeakSet()
 
 
 def _identity_unscaling_gradient(x, layer):
     @tf.custom_gradient
     def identity(value):
         def backward(upstream):
-            above = _boundaries_above_input.get(layer, ())
+            above = _boundaries_above_input.get(layer)
+            if above is None and not tf.executing_eagerly():
+                _traced_unread.add(layer)
             if not above:
                 return upstream
             exponents = [
@@ -568,6 +573,15 @@ def read_boundaries(model) -> BoundaryMap:
     for layer, chain in layer_chains.items():
         if isinstance(layer, UnscaledInput):
             previous = _boundaries_above_input.get(layer)
+            if previous is None and chain and layer in _traced_unread:
+                raise ValueError(
+                    f"tfdls: the gradient through the UnscaledInput {layer.name!r} was traced "
+                    "in a tf.function before its model was given to an optimizer (or to "
+                    "add_scale_boundaries), so that trace does not divide out the scale "
+                    f"boundaries {[b.name for b in chain]}, which this optimizer would make "
+                    "scale. Give the model to the optimizer first, then trace; rebuild or "
+                    "reload the model to start over."
+                )
             if previous is not None and [id(b) for b in previous] != [id(b) for b in chain]:
                 raise ValueError(
                     f"tfdls: the UnscaledInput {layer.name!r} is below the scale boundaries "
