@@ -318,6 +318,17 @@ def _gradient_penalty():
     tape.gradient(loss, model.trainable_variables)
 
 
+def _feature_extractor():
+    model = _stack()
+    LSO(SGD(0.1), scale_boundaries=model)
+    features = keras.Model(model.inputs, model.get_layer("low").output)
+    x = tf.ones([1, 2])
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = tf.reduce_sum(features(x))
+    tape.gradient(y, x)
+
+
 def _unknown_boundaries():
     # Traced: the function's gradients crossed the boundary.
     model = _stack()
@@ -399,6 +410,9 @@ CASES.update({
     ],
     "a gradient of a gradient through a boundary (a gradient penalty)": [
         (_gradient_penalty, ValueError, r"gradient of a gradient through UnscaledInput '.*'"),
+    ],
+    "an input gradient through a feature extractor sharing a boundary model's `UnscaledInput` but stopping below a boundary": [
+        (_feature_extractor, ValueError, r"UnscaledInput '.*' did not cross the scale boundaries \['b'\]"),
     ],
 })
 

@@ -273,3 +273,107 @@ def test_an_input_gradient_traced_before_the_model_was_read_is_refused():
         tape.watch(x)
         y = tf.reduce_sum(fresh(x))
     np.testing.assert_array_equal(tape.gradient(y, x).numpy(), before.numpy())
+
+
+def feature_model():
+    """D with boundaries b1, b2 (2**3 each), owned; a feature extractor sharing its layers
+    up to d1 (it crosses b1 only); a head from d0's output (no UnscaledInput)."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((4,))
+    h = keras.layers.Dense(4, activation="tanh", name="d0")(tfdls.UnscaledInput()(x))
+    h = keras.layers.Dense(4, activation="tanh", name="d1")(
+        tfdls.ScaleBoundary(name="b1", **pinned(3))(h))
+    d = keras.Model(x, keras.layers.Dense(1, name="dout")(
+        tfdls.ScaleBoundary(name="b2", **pinned(3))(h)))
+    tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=d)
+    features = keras.Model(d.input, d.get_layer("d1").output)
+    head = keras.Model(d.get_layer("d0").output, d.output)
+    return d, features, head
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_feature_extractor_sharing_the_layers_is_refused(mode):
+    """Its gradient crosses b1 only; the UnscaledInput would divide by b1 and b2."""
+    d, features, _ = feature_model()
+    x = tf.ones([2, 4])
+
+    def saliency():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(features(x))
+        return tape.gradient(y, x)
+
+    with pytest.raises(ValueError, match=r"UnscaledInput '.*' did not cross the scale "
+                                         r"boundaries \['b2'\]"):
+        run(saliency, mode)
+
+    def full():  # the whole model, through the same layers: fine
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(d(x)) + 0.0 * tf.reduce_sum(features(tf.zeros([2, 4])))
+        return tape.gradient(y, x)
+
+    assert run(full, mode).shape == (2, 4)
+
+
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_a_generator_trained_through_a_head_without_unscaled_input_is_refused(mode):
+    """The head starts at an inner tensor: nothing divides its boundaries out again."""
+    d, _, head = feature_model()
+    keras.utils.set_random_seed(7)
+    z_in = keras.Input((2,))
+    generator = keras.Model(z_in, keras.layers.Dense(4)(z_in))
+    optimizer = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    z = tf.ones([3, 2])
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = optimizer.scale_loss(-tf.reduce_mean(head(generator(z))))
+        optimizer.apply(tape.gradient(loss, generator.trainable_variables),
+                        generator.trainable_variables)
+
+    with pytest.raises(ValueError, match=r"crossed the scale boundaries \['b1', 'b2'\]"):
+        run(step, mode)
+
+    def mixed_step():  # through the whole model (divided) and the head (not): refused
+        with tf.GradientTape() as tape:
+            fake = generator(z)
+            loss = optimizer.scale_loss(-tf.reduce_mean(d(fake)) - tf.reduce_mean(head(fake)))
+        optimizer.apply(tape.gradient(loss, generator.trainable_variables),
+                        generator.trainable_variables)
+
+    with pytest.raises(ValueError, match=r"crossed the scale boundaries \['b1', 'b2'\]"):
+        run(mixed_step, mode)
+
+
+def test_an_input_used_through_an_operation_is_refused():
+    x = keras.Input((4,), name="x")
+    h = keras.layers.Dense(4, name="low")(x * 2.0 - 1.0)
+    model = keras.Model(x, keras.layers.Dense(1)(tfdls.ScaleBoundary(name="b")(h)))
+    with pytest.raises(ValueError, match=r"model input 'x' is used by layer '.*', below the "
+                                         r"scale boundaries \['b'\]"):
+        tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=model)
+    placed = tfdls.add_scale_boundaries(
+        keras.Model(x, keras.layers.Dense(1)(keras.layers.Dense(4)(x[:, :2] * 2.0))))
+    tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=placed)  # placed: fine
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_gather_above_the_layers_sends_indexed_slices(mode):
+    """A row gather right above UnscaledInput or a boundary: the gradient arrives as
+    IndexedSlices."""
+    table = tf.Variable(np.random.default_rng(8).normal(size=(6, 4)).astype("float32"))
+    with_boundaries, plain = twin_models(3, {0: 4, 1: 2})
+    tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=with_boundaries)
+    ids = tf.constant([0, 3, 3])
+
+    def gradients():
+        found = []
+        for model in (with_boundaries, plain):
+            with tf.GradientTape() as tape:
+                y = tf.reduce_sum(model(tf.gather(table, ids)))
+            found.append(tf.convert_to_tensor(tape.gradient(y, table)))
+        return found
+
+    scaled, expected = run(gradients, mode)
+    np.testing.assert_array_equal(scaled.numpy(), expected.numpy())

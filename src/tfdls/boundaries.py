@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import threading
 import weakref
@@ -203,17 +204,28 @@ def _identity_scaling_gradient(x, boundary):
     @tf.custom_gradient
     def identity(value):
         def backward(upstream):
-            seen.add(boundary)
+            upstream = _dense(upstream)
+            boundary._ownership.backward_calls += 1
             exponent = integer_exponent(boundary.log2_factor.value)
             exponent = tf.where(boundary._ownership.owned, exponent, 0.0)
             factor = power_of_two(tf.cast(exponent, tf.int32))
-            return _first_order_only(upstream * tf.cast(factor, upstream.dtype), boundary)
+            scaled = _first_order_only(upstream * tf.cast(factor, upstream.dtype), boundary)
+            seen.add(scaled, (boundary,))
+            return scaled
 
         return tf.identity(value), backward
 
     if isinstance(x, (tf.Tensor, tf.Variable)) and not x.dtype.is_floating:
         return x
     return identity(x)
+
+
+def _dense(upstream):
+    # A gather above the layer sends IndexedSlices; the multiply and
+    # custom_gradient need a tensor.
+    if isinstance(upstream, tf.IndexedSlices):
+        return tf.convert_to_tensor(upstream)
+    return upstream
 
 
 @keras.saving.register_keras_serializable(package="tfdls")
@@ -275,27 +287,51 @@ class UnscaledInput(keras.layers.Layer):
 # {UnscaledInput: the boundaries above it}, set when its model is read. Out of
 # the layer, where Keras would track the boundaries as its sublayers.
 _boundaries_above_input = weakref.WeakKeyDictionary()
-# UnscaledInputs whose backward pass was traced before their model was read:
-# that trace divides by nothing, and its boundaries may be owned later.
-_traced_unread = weakref.WeakSet()
+# {UnscaledInput: the graphs that traced its backward pass before its model
+# was read}: such a trace divides by nothing, and its boundaries may be owned
+# later. Weak both ways: a trace that failed, or was dropped, does not count.
+_traced_unread = weakref.WeakKeyDictionary()
 
 
 def _identity_unscaling_gradient(x, layer):
+    # Which backward passes of the boundaries above had run when this call
+    # went forward: every one of them must run again before this call's
+    # backward pass, or the gradient did not cross it.
+    above_at_call = _boundaries_above_input.get(layer)
+    calls_at_forward = None if above_at_call is None else [
+        b._ownership.backward_calls for b in above_at_call]
+
     @tf.custom_gradient
     def identity(value):
         def backward(upstream):
+            upstream = _dense(upstream)
             above = _boundaries_above_input.get(layer)
             if above is None and not tf.executing_eagerly():
-                _traced_unread.add(layer)
+                graphs = _traced_unread.setdefault(layer, weakref.WeakSet())
+                graphs.add(tf.compat.v1.get_default_graph())
             if not above:
                 return upstream
+            if above is above_at_call:
+                missed = [b.name for b, n in zip(above, calls_at_forward)
+                          if b._ownership.backward_calls == n]
+                if missed:
+                    raise ValueError(
+                        f"tfdls: the gradient reaching the UnscaledInput {layer.name!r} did not "
+                        f"cross the scale boundaries {missed} above it in its model, so it "
+                        "cannot divide out the right factors: a model that shares its layers "
+                        "but stops below a boundary (a feature extractor), or a loss on inner "
+                        "activations. Take such features from a model without scale "
+                        "boundaries."
+                    )
             exponents = [
                 tf.where(b._ownership.owned, integer_exponent(b.log2_factor.value), 0.0)
                 for b in above
             ]
             total = tf.cast(tf.add_n(exponents), tf.int32)
-            return _first_order_only(divide_by_power_of_two(upstream, total, 127 * len(above)),
-                                     layer)
+            divided = _first_order_only(
+                divide_by_power_of_two(upstream, total, 127 * len(above)), layer)
+            seen.add(divided, above, divides=True)
+            return divided
 
         return tf.identity(value), backward
 
@@ -345,53 +381,95 @@ class _Ownership:
     def __init__(self):
         with tf.init_scope():
             self.owned = tf.Variable(False, trainable=False, name="owned")
+        # Backward passes run (eagerly) or traced so far: a Python count,
+        # read by `UnscaledInput` to see that a gradient crossed the boundary.
+        self.backward_calls = 0
 
 
 class _SeenBoundaries:
-    """Which boundaries' backward passes ran in a traced function, per graph.
+    """Per traced graph: the ops where a boundary's backward pass emitted its
+    scaled gradient, and where an `UnscaledInput`'s emitted its divided one.
 
     `LossScaleOptimizer.apply` refuses, at trace time, gradients that crossed
-    a boundary it was not given (see the module docstring). Eager backward
+    a boundary it was not given on a path where no `UnscaledInput` divided it
+    out again (`crossed_undivided`, read from the graph). Eager backward
     passes are not recorded: nothing ties an eager gradient to a later
     `apply`, so eagerly the check goes by variables (`owned_boundaries_above`).
     """
 
     def __init__(self):
         self._lock = threading.Lock()
+        # graph -> {op name: (boundaries, divides)}; op names, not tensors, so
+        # the record does not keep the graph alive.
         self._graphs = weakref.WeakKeyDictionary()
 
-    def add(self, boundary):
+    def add(self, tensor, boundaries, divides=False):
         if tf.executing_eagerly():
             return
         graph = tf.compat.v1.get_default_graph()
         with self._lock:
-            self._graphs.setdefault(graph, weakref.WeakSet()).add(boundary)
+            ops = self._graphs.setdefault(graph, {})
+            ops[tensor.op.name] = (tuple(weakref.ref(b) for b in boundaries), divides)
 
-    def visible(self):
-        """The boundaries seen in this trace (the graph and those around it)."""
+    def _entries(self, graph):
+        with self._lock:
+            entries = dict(self._graphs.get(graph, {}))
+        return {name: ([b() for b in refs if b() is not None], divides)
+                for name, (refs, divides) in entries.items()}
+
+    def crossed_undivided(self, grads):
+        """The boundaries whose scaled gradient reaches one of `grads` (tensors of the
+        current graph) on a path through no `UnscaledInput` that divides it out.
+
+        A walk from `grads` to their inputs, carrying the boundaries divided
+        on the way. Boundaries crossed in an enclosing graph (`apply` in a
+        nested function) cannot be followed there: every one counts, unless
+        an UnscaledInput there divided it.
+        """
         if tf.executing_eagerly():
             return []
-        found = []
         graph = tf.compat.v1.get_default_graph()
-        with self._lock:
-            while graph is not None:
-                found.extend(self._graphs.get(graph, ()))
-                graph = getattr(graph, "outer_graph", None)
-        return found
+        entries = self._entries(graph)
+        found = {}
+        stack = [(t.op, frozenset()) for g in grads if g is not None for t in _tensors_of(g)]
+        visited = set()
+        while stack:
+            op, covered = stack.pop()
+            if (op.name, covered) in visited:
+                continue
+            visited.add((op.name, covered))
+            entry = entries.get(op.name)
+            if entry is not None:
+                boundaries, divides = entry
+                if divides:
+                    covered = covered | {id(b) for b in boundaries}
+                else:
+                    found.update({id(b): b for b in boundaries if id(b) not in covered})
+            stack.extend((t.op, covered) for t in op.inputs)
+        outer = getattr(graph, "outer_graph", None)
+        while outer is not None:
+            crossed, divided = {}, set()
+            for boundaries, divides in self._entries(outer).values():
+                if divides:
+                    divided.update(id(b) for b in boundaries)
+                else:
+                    crossed.update({id(b): b for b in boundaries})
+            found.update({k: b for k, b in crossed.items() if k not in divided})
+            outer = getattr(outer, "outer_graph", None)
+        return list(found.values())
+
+
+def _tensors_of(grad):
+    if isinstance(grad, tf.IndexedSlices):
+        return [grad.values, grad.indices]
+    return [grad] if isinstance(grad, tf.Tensor) else []
 
 
 seen = _SeenBoundaries()
 
 
-# The attributes that mark a variable with the boundaries above it: in the
-# models read (`read_boundaries`), and those of them an optimizer owns.
-_READ_ABOVE = "_tfdls_boundaries_above"
+# The attribute that marks a variable with the owned boundaries above it.
 _OWNED_ABOVE = "_tfdls_owned_boundaries_above"
-
-# The boundaries of the models read: their inputs' gradients are unscaled
-# (`UnscaledInput`), so a gradient from outside the model that crosses them
-# leaves it without their factors.
-_sealed = weakref.WeakSet()
 
 
 def _mark(boundary_map, attribute):
@@ -430,16 +508,6 @@ def take_ownership(boundary_map: "BoundaryMap") -> None:
 def owned_boundaries_above(variable) -> list:
     """The owned boundaries above `variable` in the models optimizers were given."""
     return _marks(variable, _OWNED_ABOVE)
-
-
-def boundaries_above(variable) -> list:
-    """The boundaries above `variable` in every model read, owned or not."""
-    return _marks(variable, _READ_ABOVE)
-
-
-def is_sealed(boundary) -> bool:
-    """Whether `boundary`'s model was read, so its inputs' gradients are unscaled."""
-    return boundary in _sealed
 
 
 # -- reading a model's boundaries ---------------------------------------------------
@@ -573,7 +641,7 @@ def read_boundaries(model) -> BoundaryMap:
     for layer, chain in layer_chains.items():
         if isinstance(layer, UnscaledInput):
             previous = _boundaries_above_input.get(layer)
-            if previous is None and chain and layer in _traced_unread:
+            if previous is None and chain and _live_traces(layer):
                 raise ValueError(
                     f"tfdls: the gradient through the UnscaledInput {layer.name!r} was traced "
                     "in a tf.function before its model was given to an optimizer (or to "
@@ -590,14 +658,18 @@ def read_boundaries(model) -> BoundaryMap:
                 )
     boundary_map = BoundaryMap(tuple(boundaries), tuple(parents), chains, names,
                                tuple(variables), tuple(layers_below))
-    # Read and checked: now the model's inputs divide out the boundaries above
-    # them, and its variables are marked with them.
+    # Read and checked: now the model's inputs divide out the boundaries above them.
     for layer, chain in layer_chains.items():
         if isinstance(layer, UnscaledInput):
             _boundaries_above_input[layer] = tuple(chain)
-    _sealed.update(boundaries)
-    _mark(boundary_map, _READ_ABOVE)
     return boundary_map
+
+
+def _live_traces(layer):
+    if layer not in _traced_unread:
+        return False
+    gc.collect()  # a failed trace's graph is garbage, not a trace to refuse
+    return len(_traced_unread.get(layer, ())) > 0
 
 
 def _check_inputs_unscaled(input_uses):
@@ -726,13 +798,20 @@ def _functional_chains(model):
     # Nodes from the outputs down: a node's consumers are resolved first.
     for node in nodes:
         layer = node.operation
-        if layer is None or getattr(node, "is_input", False) or not isinstance(layer, keras.layers.Layer):
+        if layer is None or getattr(node, "is_input", False):
             continue
         try:
             chain = node_chain_of(node)
         except _MixedPaths as mixed:
             raise ValueError(_mixed_names(mixed.layer, mixed.first, mixed.second)) from None
         if chain is None:
+            continue
+        if not isinstance(layer, keras.layers.Layer):
+            # An operation (keras.ops, slicing): no weights, but a use of an
+            # input all the same.
+            for tensor in node.input_tensors:
+                if id(tensor) in input_ids:
+                    input_uses.append((_input_name(tensor), tensor.dtype, layer, chain))
             continue
         if layer in layer_chains and layer_chains[layer] != chain:
             raise ValueError(_mixed_names(layer, layer_chains[layer], chain, shared=True))

@@ -606,7 +606,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             if not grads:
                 return
             self._unscaling.check(grads)
-            self._check_boundaries_seen(trainable_variables)
+            self._check_boundaries_seen(grads, trainable_variables)
             plan = self._plan(grads, trainable_variables)
             self.step_plan = plan
             if plan.compile:
@@ -616,7 +616,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         finally:
             self._unscaling.end_step()
 
-    def _check_boundaries_seen(self, trainable_variables):
+    def _check_boundaries_seen(self, grads, trainable_variables):
         """Refuses gradients that crossed scale boundaries this optimizer was not given."""
         if self._boundaries_expected and self._boundary_map is None:
             raise ValueError(
@@ -649,15 +649,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                     "Give it the model: LossScaleOptimizer(..., scale_boundaries=model), or "
                     "optimizer.set_scale_boundaries(model)."
                 )
-        # Gradients that crossed, in this trace, boundaries not given: those of a
-        # model never read (it may be owned after the trace), or above a
-        # variable applied here (the boundary may be owned after the trace). A
-        # read model's boundaries crossed by other gradients are divided out
-        # again at its inputs (UnscaledInput): a GAN generator, a second model.
-        crossed = boundaries_lib.seen.visible()
-        below = {id(b) for v in trainable_variables for b in boundaries_lib.boundaries_above(v)}
-        names = unknown(b for b in crossed
-                        if not boundaries_lib.is_sealed(b) or id(b) in below)
+        # Gradients that crossed, in this trace, boundaries not given (owned or
+        # not: another optimizer could take them after the trace), on a path
+        # where no UnscaledInput divided them out again (as for a GAN
+        # generator trained through a discriminator with boundaries).
+        names = unknown(boundaries_lib.seen.crossed_undivided(grads))
         if names:
             raise ValueError(
                 f"tfdls: the gradients crossed the scale boundaries {names}, which this "
