@@ -377,3 +377,58 @@ def test_a_gather_above_the_layers_sends_indexed_slices(mode):
 
     scaled, expected = run(gradients, mode)
     np.testing.assert_array_equal(scaled.numpy(), expected.numpy())
+
+
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_feature_matching_with_the_whole_model_in_one_tape_is_refused_traced(mode):
+    """The whole model's call runs b2's backward pass too, but the feature call's gradient
+    does not cross it: read from the graph, per call. (Eagerly this is not seen: README.)"""
+    d, features, _ = feature_model()
+    fake = tf.ones([2, 4])
+
+    def generator_side():
+        with tf.GradientTape() as tape:
+            tape.watch(fake)
+            loss = -tf.reduce_mean(d(fake)) + tf.reduce_sum(tf.square(features(fake)))
+        return tape.gradient(loss, fake)
+
+    with pytest.raises(ValueError, match=r"did not cross the scale boundaries \['b2'\]"):
+        run(generator_side, mode)
+
+
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+@pytest.mark.parametrize("between", ["identity_n", "joint_clip"])
+def test_gan_gradients_mixed_before_apply_match_the_plain_models(mode, between):
+    """Both gradient lists through one tf.identity_n, or unscaled by each optimizer and
+    clipped by one global norm: the walk follows each tensor (identity_n) and the
+    optimizer's own division (clip); the weights equal the plain models'."""
+    rng = np.random.default_rng(9)
+    z = tf.constant(rng.normal(size=(6, 4)).astype("float32"))
+    real = tf.constant(rng.normal(size=(6, 4)).astype("float32"))
+    runs = []
+    for with_boundaries in (True, False):
+        generator = twin_models(3, {}, seed=1, out=4, name="g")[1]
+        discriminator = twin_models(4, {0: 9, 2: 4}, seed=2, name="d")[0 if with_boundaries else 1]
+        g_opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1), tfdls.DynamicLossScale(2.0**10))
+        d_opt = tfdls.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1), tfdls.DynamicLossScale(2.0**10),
+            scale_boundaries=discriminator if with_boundaries else None)
+        g_vars, d_vars = generator.trainable_variables, discriminator.trainable_variables
+
+        def step():
+            g_grads, d_grads = gan_step(generator, discriminator, g_opt, d_opt, z, real)
+            if between == "identity_n":
+                both = tf.identity_n(list(g_grads) + list(d_grads))
+                g_grads, d_grads = both[:len(g_vars)], both[len(g_vars):]
+            else:
+                g_grads = g_opt.get_unscaled_gradients(g_grads, trainable_variables=g_vars)
+                d_grads = d_opt.get_unscaled_gradients(d_grads, trainable_variables=d_vars)
+                clipped, _ = tf.clip_by_global_norm(list(g_grads) + list(d_grads), 1.0)
+                g_grads, d_grads = clipped[:len(g_vars)], clipped[len(g_vars):]
+            d_opt.apply(d_grads, d_vars)
+            g_opt.apply(g_grads, g_vars)
+
+        run(step, mode)
+        runs.append([v.numpy() for v in g_vars + d_vars])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)

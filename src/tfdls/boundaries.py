@@ -22,7 +22,15 @@ term does not cross the boundaries) below one, a boundary inside a nested
 model or layer, where the graph cannot be read. `apply` refuses a variable
 below a boundary that an optimizer owns but that it was not given, and, at
 trace time, gradients that crossed in the same traced function a boundary it
-was not given (owned or not yet owned: ownership is read when the step runs).
+was not given (owned or not yet owned: ownership is read when the step runs)
+on a path where no `UnscaledInput` divided it out again.
+
+Gradients that leave a model through an input cross every boundary above
+it: an `UnscaledInput` placed directly on each float input divides them out
+(`add_scale_boundaries` places them; `read_boundaries` refuses a model
+without), so a GAN generator trained through a discriminator with
+boundaries, or a saliency map, sees the plain model's gradient. A gradient
+of a gradient through a boundary is refused (its terms would mix scales).
 
 Example:
 
@@ -234,9 +242,8 @@ class UnscaledInput(keras.layers.Layer):
 
     A `ScaleBoundary` multiplies every gradient that crosses it, and a
     gradient with respect to a model's input crosses every boundary above
-    that input: a gradient penalty, a saliency map, or a GAN generator
-    trained through a discriminator with boundaries would otherwise carry
-    their factors. This layer divides them out again, exactly (powers of
+    that input: a saliency map, or a GAN generator trained through a
+    discriminator with boundaries, would otherwise carry their factors. This layer divides them out again, exactly (powers of
     two), so a gradient leaving the model carries the loss scale alone, as
     it would without boundaries.
 
@@ -289,7 +296,7 @@ class UnscaledInput(keras.layers.Layer):
 _boundaries_above_input = weakref.WeakKeyDictionary()
 # {UnscaledInput: the graphs that traced its backward pass before its model
 # was read}: such a trace divides by nothing, and its boundaries may be owned
-# later. Weak both ways: a trace that failed, or was dropped, does not count.
+# later. Weak both ways: a trace whose graph was released does not count.
 _traced_unread = weakref.WeakKeyDictionary()
 
 
@@ -311,18 +318,26 @@ def _identity_unscaling_gradient(x, layer):
                 graphs.add(tf.compat.v1.get_default_graph())
             if not above:
                 return upstream
-            if above is above_at_call:
+            if not tf.executing_eagerly():
+                # Traced: exactly the boundaries this call's gradient crossed.
+                crossed = {id(b) for b in seen.crossed_above(upstream)}
+                missed = [b.name for b in above if id(b) not in crossed]
+            elif above is above_at_call:
+                # Eager: no graph to read; a boundary whose backward pass did not
+                # run at all since this call went forward was not crossed.
                 missed = [b.name for b, n in zip(above, calls_at_forward)
                           if b._ownership.backward_calls == n]
-                if missed:
-                    raise ValueError(
-                        f"tfdls: the gradient reaching the UnscaledInput {layer.name!r} did not "
-                        f"cross the scale boundaries {missed} above it in its model, so it "
-                        "cannot divide out the right factors: a model that shares its layers "
-                        "but stops below a boundary (a feature extractor), or a loss on inner "
-                        "activations. Take such features from a model without scale "
-                        "boundaries."
-                    )
+            else:
+                missed = []
+            if missed:
+                raise ValueError(
+                    f"tfdls: the gradient reaching the UnscaledInput {layer.name!r} did not "
+                    f"cross the scale boundaries {missed} above it in its model, so it "
+                    "cannot divide out the right factors: a model that shares its layers "
+                    "but stops below a boundary (a feature extractor), or a loss on inner "
+                    "activations. Take such features from a model without scale "
+                    "boundaries."
+                )
             exponents = [
                 tf.where(b._ownership.owned, integer_exponent(b.log2_factor.value), 0.0)
                 for b in above
@@ -419,44 +434,84 @@ class _SeenBoundaries:
 
     def crossed_undivided(self, grads):
         """The boundaries whose scaled gradient reaches one of `grads` (tensors of the
-        current graph) on a path through no `UnscaledInput` that divides it out.
+        current graph) on a path through no division of it (an `UnscaledInput`, or an
+        optimizer dividing its own gradients).
 
         A walk from `grads` to their inputs, carrying the boundaries divided
-        on the way. Boundaries crossed in an enclosing graph (`apply` in a
-        nested function) cannot be followed there: every one counts, unless
-        an UnscaledInput there divided it.
+        on the way; it follows captured tensors into the enclosing graph.
+        Where it reaches an argument of a nested function or loop body, it
+        cannot follow: then every boundary crossed and not divided anywhere
+        in the enclosing graphs counts.
         """
         if tf.executing_eagerly():
             return []
-        graph = tf.compat.v1.get_default_graph()
-        entries = self._entries(graph)
+        found, escaped = self._walk(
+            [t for g in grads if g is not None for t in _tensors_of(g)])
+        if escaped:
+            outer = getattr(tf.compat.v1.get_default_graph(), "outer_graph", None)
+            while outer is not None:
+                crossed, divided = {}, set()
+                for boundaries, divides in self._entries(outer).values():
+                    if divides:
+                        divided.update(id(b) for b in boundaries)
+                    else:
+                        crossed.update({id(b): b for b in boundaries})
+                found.update({k: b for k, b in crossed.items() if k not in divided})
+                outer = getattr(outer, "outer_graph", None)
+        return list(found.values())
+
+    def crossed_above(self, tensor):
+        """The boundaries whose scaled gradient `tensor` (of the current graph) depends
+        on, divided or not: what reached an `UnscaledInput`."""
+        found, _ = self._walk([tensor], ignore_divisions=True)
+        return list(found.values())
+
+    def _walk(self, tensors, ignore_divisions=False):
+        entries_of = {}
         found = {}
-        stack = [(t.op, frozenset()) for g in grads if g is not None for t in _tensors_of(g)]
+        escaped = False
+        stack = [(t, frozenset()) for t in tensors]
         visited = set()
         while stack:
-            op, covered = stack.pop()
-            if (op.name, covered) in visited:
+            tensor, covered = stack.pop()
+            if isinstance(tensor, tf.__internal__.EagerTensor) or not hasattr(tensor, "op"):
+                continue  # a captured eager value: no backward pass behind it
+            graph = tensor.graph
+            key = (id(graph), tensor.op.name, tensor.value_index, covered)
+            if key in visited:
                 continue
-            visited.add((op.name, covered))
+            visited.add(key)
+            if id(graph) not in entries_of:
+                entries_of[id(graph)] = (self._entries(graph), _captured(graph))
+            entries, captured = entries_of[id(graph)]
+            op = tensor.op
             entry = entries.get(op.name)
             if entry is not None:
                 boundaries, divides = entry
-                if divides:
+                if divides and not ignore_divisions:
                     covered = covered | {id(b) for b in boundaries}
-                else:
+                elif not divides:
                     found.update({id(b): b for b in boundaries if id(b) not in covered})
-            stack.extend((t.op, covered) for t in op.inputs)
-        outer = getattr(graph, "outer_graph", None)
-        while outer is not None:
-            crossed, divided = {}, set()
-            for boundaries, divides in self._entries(outer).values():
-                if divides:
-                    divided.update(id(b) for b in boundaries)
-                else:
-                    crossed.update({id(b): b for b in boundaries})
-            found.update({k: b for k, b in crossed.items() if k not in divided})
-            outer = getattr(outer, "outer_graph", None)
-        return list(found.values())
+            if op.type == "Placeholder":
+                external = captured.get(id(tensor))
+                if external is not None:
+                    stack.append((external, covered))
+                elif getattr(graph, "outer_graph", None) is not None:
+                    escaped = True  # an argument: its value comes from elsewhere
+                continue
+            if op.type == "IdentityN":  # output i is input i
+                stack.append((op.inputs[tensor.value_index], covered))
+                continue
+            stack.extend((t, covered) for t in op.inputs)
+        return found, escaped
+
+
+def _captured(graph):
+    """{id(internal placeholder): external tensor} of a function graph's captures."""
+    try:
+        return {id(internal): external for external, internal in graph.captures}
+    except (AttributeError, TypeError):
+        return {}
 
 
 def _tensors_of(grad):

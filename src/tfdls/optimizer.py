@@ -535,7 +535,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             unscaled = [
                 None if g is None
                 else _division.divide(g, scale, how) if d is None
-                else self._divide_by_boundaries(g, d)
+                else self._divide_by_boundaries(g, d, self._boundary_map.boundaries)
                 for g, d in zip(grads, divisors)
             ]
         self._unscaling.record_unscaled(grads, unscaled)
@@ -584,9 +584,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return [None if scales.segment_of[p] == 0 else by_segment[scales.segment_of[p] - 1]
                 for p in positions]
 
-    def _divide_by_boundaries(self, grad, divisor):
+    def _divide_by_boundaries(self, grad, divisor, boundaries):
         exponent, pieces = divisor
-        return _division.divide_by_power_of_two(grad, exponent, self._max_exponent(), pieces)
+        divided = _division.divide_by_power_of_two(grad, exponent, self._max_exponent(), pieces)
+        # Recorded: a gradient that depends on this one (a joint clip by global
+        # norm) carries no factor of these boundaries through it.
+        for tensor in boundaries_lib._tensors_of(divided):
+            boundaries_lib.seen.add(tensor, boundaries, divides=True)
+        return divided
 
     # -- applying -----------------------------------------------------------------
 
@@ -743,7 +748,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         unscaled = [
             _as_value(g, scale, already_unscaled) if not d
             else _division.divide(g, divisor, plan.division) if b is None
-            else self._divide_by_boundaries(g, b)
+            else self._divide_by_boundaries(g, b, self._boundary_map.boundaries)
             for g, d, b in zip(grads, plan.divide, per_variable)
         ]
         checked = grads if plan.check == "scaled" else unscaled
