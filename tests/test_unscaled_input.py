@@ -345,6 +345,24 @@ def test_a_generator_trained_through_a_head_without_unscaled_input_is_refused(mo
     with pytest.raises(ValueError, match=r"crossed the scale boundaries \['b1', 'b2'\]"):
         run(mixed_step, mode)
 
+    head_gradients = tf.function(lambda: _head_gradients(head, generator, optimizer, z))
+
+    def inside_control_flow():  # computed in a cond branch / a nested function, applied out
+        in_branch = tf.cond(tf.constant(True),
+                            lambda: _head_gradients(head, generator, optimizer, z),
+                            lambda: [tf.zeros_like(v) for v in generator.trainable_variables])
+        optimizer.apply(in_branch, generator.trainable_variables)
+        optimizer.apply(head_gradients(), generator.trainable_variables)
+
+    with pytest.raises(ValueError, match=r"crossed the scale boundaries \['b1', 'b2'\]"):
+        run(inside_control_flow, mode)
+
+
+def _head_gradients(head, generator, optimizer, z):
+    with tf.GradientTape() as tape:
+        loss = optimizer.scale_loss(-tf.reduce_mean(head(generator(z))))
+    return tape.gradient(loss, generator.trainable_variables)
+
 
 def test_an_input_used_through_an_operation_is_refused():
     x = keras.Input((4,), name="x")

@@ -502,8 +502,38 @@ class _SeenBoundaries:
             if op.type == "IdentityN":  # output i is input i
                 stack.append((op.inputs[tensor.value_index], covered))
                 continue
+            if op.type in _FUNCTION_OPS and not ignore_divisions:
+                # A branch, loop or function body: its inside is not followed, so
+                # every boundary crossed and not divided in the graphs within counts.
+                found.update({k: b for k, b in self._undivided_within(graph).items()
+                              if k not in covered})
             stack.extend((t, covered) for t in op.inputs)
         return found, escaped
+
+    def _undivided_within(self, graph):
+        """The boundaries crossed and not divided in the graphs nested in `graph`."""
+        with self._lock:
+            graphs = list(self._graphs.keys())
+        found = {}
+        for inner in graphs:
+            outer = getattr(inner, "outer_graph", None)
+            while outer is not None and outer is not graph:
+                outer = getattr(outer, "outer_graph", None)
+            if outer is None:
+                continue
+            crossed, divided = {}, set()
+            for boundaries, divides in self._entries(inner).values():
+                if divides:
+                    divided.update(id(b) for b in boundaries)
+                else:
+                    crossed.update({id(b): b for b in boundaries})
+            found.update({k: b for k, b in crossed.items() if k not in divided})
+        return found
+
+
+# Ops that run a function body (cond branches, loops, nested tf.functions).
+_FUNCTION_OPS = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Case",
+                           "StatelessCase", "PartitionedCall", "StatefulPartitionedCall"})
 
 
 def _captured(graph):
