@@ -348,6 +348,18 @@ def _unscaled_without_variables():
     opt.get_unscaled_gradients([tf.ones(v.shape) for v in model.trainable_variables])
 
 
+def _deep_float64():
+    keras.mixed_precision.set_global_policy("float64")
+    try:
+        stack = [keras.Input((1,)), tfdls.UnscaledInput()]
+        for i in range(61):
+            stack += [keras.layers.Dense(1), tfdls.ScaleBoundary()]
+        model = keras.Sequential(stack + [keras.layers.Dense(1)])
+        LSO(SGD(0.1), scale_boundaries=model).build(model.trainable_variables)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 CASES.update({
     "`ScaleBoundary(max_log2_factor=16)` / `min_log2_factor=-15` / `min_log2_factor` above `max_log2_factor`": [
         (lambda: tfdls.ScaleBoundary(max_log2_factor=16), ValueError, r"max_log2_factor=16"),
@@ -413,6 +425,8 @@ CASES.update({
     ],
     "an input gradient through a feature extractor sharing a boundary model's `UnscaledInput` but stopping below a boundary": [
         (_feature_extractor, ValueError, r"UnscaledInput '.*' did not cross the scale boundaries \['b'\]"),
+    ],    "a float64 variable below more than 59 nested boundaries": [
+        (_deep_float64, ValueError, r"variable '.*/kernel' is float64 and below 61 nested scale boundaries, more than 59"),
     ],
 })
 

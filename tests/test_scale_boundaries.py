@@ -996,7 +996,7 @@ def _division_functions():
     from tfdls import _division
 
     def divide(g, e):
-        return _division.divide_by_power_of_two(g, e, 323)
+        return _division.divide_by_power_of_two(g, e, 1300)
 
     return {"eager": divide, "graph": tf.function(divide),
             "xla": tf.function(divide, jit_compile=True)}
@@ -1004,8 +1004,9 @@ def _division_functions():
 
 def test_division_by_a_power_of_two_is_correctly_rounded_in_every_mode(hypothesis):
     """Against numpy's float64 quotient rounded once to the dtype, exponents
-    across float32's range and beyond (up to 323: the loss scale times 13
-    boundaries at 2**15). TensorFlow's graph optimizer regroups a chain of
+    across float32's range and beyond (up to 1300, past float64's own: a loss
+    scale times 78 boundaries at 2**15; float64 gradients within +-1022, where
+    deeper chains are refused). TensorFlow's graph optimizer regroups a chain of
     multiplies, which made the graph-mode quotient 0 from exponent 127 on.
     CPUs flush float32 subnormal results to zero (all TensorFlow arithmetic
     there does), so those are left out for float32."""
@@ -1016,24 +1017,58 @@ def test_division_by_a_power_of_two_is_correctly_rounded_in_every_mode(hypothesi
 
     @settings(max_examples=150, deadline=None)
     @given(st.sampled_from([np.float32, np.float16, np.float64]),
-           st.integers(1, 2**11 - 1), st.integers(-160, 160), st.integers(-323, 323),
+           st.integers(1, 2**11 - 1), st.integers(-160, 160),
+           st.one_of(st.integers(-323, 323), st.integers(-1300, 1300)),
            st.sampled_from(sorted(functions)), st.booleans())
     def check(dtype, mantissa, shift, exponent, mode, negative):
         if dtype is np.float16:
             shift = max(-24, min(shift, 4))
         g = np.array([(-1.0 if negative else 1.0) * mantissa * 2.0**shift], np.float64)
         value = dtype(g[0])
+        if dtype is np.float64:
+            exponent = max(-1022, min(exponent, 1022))
         if not np.isfinite(value) or value == 0:
             return
-        quotient = float(value) / 2.0**exponent
-        if min(abs(quotient), abs(float(value))) < tiny[dtype]:
+        with np.errstate(over="ignore", under="ignore"):
+            want = np.array([np.ldexp(np.float64(value), -exponent)]).astype(dtype)
+        if abs(float(value)) < tiny[dtype] or 0 < abs(float(want[0])) < tiny[dtype]:
             return  # float32 subnormal inputs and results are flushed on CPUs
-        want = np.array([quotient]).astype(dtype)
         got = functions[mode](tf.constant([value], dtype), tf.constant(exponent, tf.int32)).numpy()
         assert got.dtype == dtype
         np.testing.assert_array_equal(got, want, err_msg=f"{mode}: {value!r} / 2**{exponent}")
 
     check()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_division_beyond_float64_exponents_gives_zero_or_inf(dtype):
+    """Past 2**+-1022 (a chain of 60 or more boundaries) the float64 multiply's
+    power of two is out of range: its bits made a garbage divisor."""
+    from tfdls import _division
+
+    functions = _division_functions()
+    values = tf.constant([3.0, -0.5, 0.0, -0.0], dtype)
+    for exponent in (1023, 1100, 2000, -1023, -1100, -2000):
+        for mode, divide in functions.items():
+            got = divide(values, tf.constant(exponent, tf.int32)).numpy().astype(np.float64)
+            with np.errstate(over="ignore", under="ignore"):
+                want = np.ldexp(values.numpy().astype(np.float64), -exponent).astype(
+                    values.numpy().dtype).astype(np.float64)
+            np.testing.assert_array_equal(got, want, err_msg=f"{mode}: 2**{exponent}")
+            np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+    assert _division.FLOAT64_MAX_EXPONENT == 1022
+
+
+def test_a_float64_variable_below_too_many_boundaries_is_refused():
+    keras.mixed_precision.set_global_policy("float64")
+    depth = boundaries_lib.MAX_FLOAT64_CHAIN + 2
+    model = tfdls.add_scale_boundaries(dense_stack(depth, width=1), every=1)
+    with pytest.raises(ValueError, match=r"'sequential.*/d0/kernel' is float64 and below 60 nested scale boundaries, more than 59"):
+        tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=model).build(
+            model.trainable_variables)
+    shallow = tfdls.add_scale_boundaries(dense_stack(3, width=1), every=1)
+    tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=shallow).build(
+        shallow.trainable_variables)
 
 
 @pytest.mark.parametrize("jit_compile", [False, "auto"])
@@ -1060,3 +1095,71 @@ def test_float32_model_with_a_scale_beyond_2_127_gets_the_float64_update(mode, j
     want0, want1 = k0 - x.T @ (residual @ k1.T), k1 - (x @ k0).T @ residual
     np.testing.assert_array_equal(model.get_layer("d0").kernel.numpy(), want0.astype("float32"))
     np.testing.assert_array_equal(model.get_layer("d1").kernel.numpy(), want1.astype("float32"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_finite_gradient_whose_division_overflows_is_skipped(hypothesis, mode, dtype):
+    """A factor below 1 (a negative exponent) makes the division multiply: a
+    finite scaled gradient can become Inf once divided. Drawn gradients,
+    factors and scales against the float64 reference: the step applies iff
+    every divided gradient is finite, then each weight is the correctly
+    rounded quotient (SGD, learning rate 1, weights 0); otherwise nothing
+    changes. The check read the scaled gradients only: Inf reached the weights.
+    Factors are also assigned by hand, beyond the bounds, fractional or NaN:
+    each is read truncated and clipped to its layer's bounds (NaN as the
+    lower one); read only within [-126, 127], XLA's division dropped the
+    pieces of exponents beyond its static bound."""
+    from hypothesis import assume, given, settings, strategies as st
+
+    keras.mixed_precision.set_global_policy("float16" if dtype == "float16" else "float32")
+    model = tfdls.add_scale_boundaries(dense_stack(3, width=2), every=1, initial_log2_factor=0,
+                                       min_log2_factor=-14, max_log2_factor=15)
+    b_low, b_top = [layer for layer in model.layers if isinstance(layer, tfdls.ScaleBoundary)]
+    optimizer = tfdls.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0), tfdls.DynamicLossScale(1.0, min_loss_scale=2.0**-20),
+        scale_boundaries=model)
+    variables = model.trainable_variables
+    layer_of = [v.path.split("/")[-2] for v in variables]
+    step = lambda grads: optimizer.apply(grads, variables)  # noqa: E731
+    if mode != "eager":
+        step = tf.function(step, jit_compile=mode == "xla")
+    top_bit = 15 if dtype == "float16" else 127  # the last layer is float32 either way
+
+    @settings(max_examples=30 if mode == "graph" else 12, deadline=None)
+    @given(st.lists(st.tuples(st.integers(1, 2047), st.integers(-24, top_bit), st.booleans(),
+                              st.sampled_from(["finite"] * 8 + ["inf", "nan"])),
+                    min_size=len(variables), max_size=len(variables)),
+           st.lists(st.one_of(st.integers(-130, 130).map(float), st.floats(-20, 20),
+                              st.just(float("nan"))), min_size=2, max_size=2),
+           st.integers(-20, 20))
+    def check(drawn, factors, s):
+        for v in variables:
+            v.assign(tf.zeros_like(v))
+        for boundary, value in zip((b_low, b_top), factors):
+            boundary.log2_factor.assign(value)
+        e_low, e_top = [int(-14 if math.isnan(v) else np.trunc(np.clip(np.float32(v), -14, 15)))
+                        for v in factors]
+        optimizer.loss_scale.current_loss_scale.assign(2.0**s)
+        exponent = {"d0": s + e_low + e_top, "d1": s + e_top, "d2": s}
+        grads, want = [], []
+        for v, layer, (mantissa, shift, negative, kind) in zip(variables, layer_of, drawn):
+            g = {"finite": (-1.0 if negative else 1.0) * mantissa * 2.0**(shift - 11),
+                 "inf": float("inf"), "nan": float("nan")}[kind]
+            np_dtype = np.dtype(v.dtype).type
+            g = np_dtype(g)  # may overflow to Inf: a non-finite gradient
+            with np.errstate(over="ignore", invalid="ignore"):
+                q = np.array([float(g) / 2.0**exponent[layer]]).astype(np_dtype)[0]
+            if np_dtype is np.float32:  # CPUs flush float32 subnormal results
+                assume(not 0 < abs(q) < np.finfo(np.float32).tiny)
+            grads.append(tf.fill(v.shape, tf.constant(g, v.dtype)))
+            want.append(q)
+        applies = all(np.isfinite(q) for q in want)
+        iterations = int(optimizer.iterations.numpy())
+        step(grads)
+        assert int(optimizer.iterations.numpy()) == iterations + applies
+        for v, q in zip(variables, want):
+            expected = np.full(v.shape, -q if applies else 0.0, v.dtype)
+            np.testing.assert_array_equal(v.numpy(), expected, err_msg=f"{v.path}: {q!r}")
+
+    check()

@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdls import _distribute
-from tfdls.boundaries import integer_exponent
+from tfdls import boundaries as boundaries_lib
 
 
 def binary_exponent(value):
@@ -59,6 +59,9 @@ class BoundaryScales(tf.Module):
                     "boundaries its gradient crossed. Give the optimizer the model that "
                     "holds every variable it updates."
                 )
+            boundaries_lib.check_float64_chain(
+                f"the variable {getattr(variable, 'path', variable.name)!r}", variable.dtype,
+                chain)
             segment = 0 if not chain else 1 + chain[0]
             self.segment_of.append(segment)
             self.positions_of_segment[segment].append(position)
@@ -74,7 +77,7 @@ class BoundaryScales(tf.Module):
 
     def exponents(self):
         """This step's exponent per boundary (float32 scalars), read once."""
-        return [integer_exponent(b.log2_factor) for b in self.boundaries]
+        return [b.exponent() for b in self.boundaries]
 
     def totals(self, exponents):
         """Per segment, the exponent sum of the boundaries above it (float32 scalars)."""

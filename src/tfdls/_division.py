@@ -39,6 +39,8 @@ from tfdls import _compat
 
 # Float types with less precision than float32: divided in float64.
 NARROW_FLOATS = (tf.float16, tf.bfloat16)
+# The largest |k| for which 2**k and 2**-k are normal float64 values.
+FLOAT64_MAX_EXPONENT = 1022
 # Float32's largest exponent whose reciprocal power of two is still normal.
 _MAX_NORMAL_RECIPROCAL_EXPONENT = 126
 
@@ -172,7 +174,14 @@ def divide_in_float64_by_power_of_two(grad, exponent):
         return tf.IndexedSlices(divide_in_float64_by_power_of_two(grad.values, exponent),
                                 grad.indices, grad.dense_shape)
     grad = tf.convert_to_tensor(grad)
-    quotient = tf.cast(grad, tf.float64) * power_of_two_float64(-tf.cast(exponent, tf.int32))
+    exponent = tf.cast(exponent, tf.int32)
+    if grad.dtype != tf.float64:
+        # Beyond float64's normal powers of two the quotient of any float32,
+        # float16 or bfloat16 value is already 0 (e > 1022) or, unless the
+        # value is 0, Inf (e < -1022): clamping changes no result. float64
+        # gradients need |exponent| <= 1022 (callers refuse deeper chains).
+        exponent = tf.clip_by_value(exponent, -FLOAT64_MAX_EXPONENT, FLOAT64_MAX_EXPONENT)
+    quotient = tf.cast(grad, tf.float64) * power_of_two_float64(-exponent)
     if grad.dtype == tf.float64:
         return quotient
     if grad.dtype in NARROW_FLOATS:

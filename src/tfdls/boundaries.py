@@ -64,6 +64,21 @@ from tfdls._division import divide_by_power_of_two, power_of_two
 # be a power of two float16 holds as a normal number.
 MIN_LOG2_FACTOR = -14
 MAX_LOG2_FACTOR = 15
+# A float64 gradient is divided by 2**(log2(scale) + T) in one float64
+# multiply: |log2(scale)| <= 127 and 15 per boundary keep that exponent a
+# normal float64 one only up to this many boundaries above it.
+MAX_FLOAT64_CHAIN = (1022 - 127) // max(-MIN_LOG2_FACTOR, MAX_LOG2_FACTOR)
+
+
+def check_float64_chain(what, dtype, chain):
+    """Refuses a float64 gradient below more than `MAX_FLOAT64_CHAIN` boundaries."""
+    if tf.as_dtype(dtype) == tf.float64 and len(chain) > MAX_FLOAT64_CHAIN:
+        raise ValueError(
+            f"tfdls: {what} is float64 and below {len(chain)} nested scale boundaries, "
+            f"more than {MAX_FLOAT64_CHAIN}: the power of two it is divided by could "
+            "leave float64's range. Use fewer boundaries (add_scale_boundaries(..., "
+            "every=k) with a larger k)."
+        )
 
 
 @keras.saving.register_keras_serializable(package="tfdls")
@@ -102,7 +117,8 @@ class ScaleBoundary(keras.layers.Layer):
         initial_log2_factor: the exponent to start from.
         min_log2_factor, max_log2_factor: bounds of the exponent, within
             [-14, 15] (powers of two float16 holds). A boundary with equal
-            bounds keeps a fixed factor.
+            bounds keeps a fixed factor. The exponent is read within them
+            (see `exponent`), also after a value assigned by hand.
         adjust_period: adjust from the headroom every this many applied steps.
         margin_bits: how much more headroom than the top block a block keeps.
         **kwargs: Keras layer arguments (``name``).
@@ -193,9 +209,16 @@ class ScaleBoundary(keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         return input_shape
 
+    def exponent(self):
+        """This step's exponent: `log2_factor` read as `integer_exponent` within this
+        layer's bounds (a float32 scalar tensor). The one reading of the factor: the
+        backward pass, the optimizer's division and `UnscaledInput` all use it."""
+        return integer_exponent(self.log2_factor.value, self.min_log2_factor,
+                                self.max_log2_factor)
+
     def factor(self) -> float:
-        """The current factor, ``2**log2_factor`` (a host read)."""
-        return 2.0 ** float(np.asarray(self.log2_factor.numpy()))
+        """The current factor, ``2**exponent()`` (a host read)."""
+        return 2.0 ** float(self.exponent().numpy())
 
     def get_config(self):
         return {
@@ -214,7 +237,7 @@ def _identity_scaling_gradient(x, boundary):
         def backward(upstream):
             upstream = _dense(upstream)
             boundary._ownership.backward_calls += 1
-            exponent = integer_exponent(boundary.log2_factor.value)
+            exponent = boundary.exponent()
             exponent = tf.where(boundary._ownership.owned, exponent, 0.0)
             factor = power_of_two(tf.cast(exponent, tf.int32))
             scaled = _first_order_only(upstream * tf.cast(factor, upstream.dtype), boundary)
@@ -318,6 +341,8 @@ def _identity_unscaling_gradient(x, layer):
                 graphs.add(tf.compat.v1.get_default_graph())
             if not above:
                 return upstream
+            check_float64_chain(f"the gradient reaching the UnscaledInput {layer.name!r}",
+                                upstream.dtype, above)
             if not tf.executing_eagerly():
                 # Traced: exactly the boundaries this call's gradient crossed.
                 crossed = {id(b) for b in seen.crossed_above(upstream)}
@@ -339,7 +364,7 @@ def _identity_unscaling_gradient(x, layer):
                     "boundaries."
                 )
             exponents = [
-                tf.where(b._ownership.owned, integer_exponent(b.log2_factor.value), 0.0)
+                tf.where(b._ownership.owned, b.exponent(), 0.0)
                 for b in above
             ]
             total = tf.cast(tf.add_n(exponents), tf.int32)
@@ -379,14 +404,20 @@ def _first_order_only(gradient, layer):
     return identity(gradient)
 
 
-def integer_exponent(log2_factor):
-    """`log2_factor` as a float32 integer, truncated toward zero, within [-126, 127].
+def integer_exponent(log2_factor, low: int = -126, high: int = 127):
+    """`log2_factor` as a float32 integer: truncated toward zero, clipped to [low, high],
+    NaN read as `low`.
 
-    The one reading of a factor, in the backward pass and in the division
-    alike, so a value assigned by hand (a fraction, or beyond float32's
-    powers of two) cannot make them disagree.
+    The one reading of a factor (`ScaleBoundary.exponent`, with the layer's
+    bounds), in the backward pass and in the division alike, so a value
+    assigned by hand (a fraction, a value beyond the bounds, NaN) cannot make
+    them disagree, and the division's exponent keeps its static bound. NaN is
+    replaced before the clip: TensorFlow's and XLA's minimum and maximum treat
+    NaN differently, and their float-to-int casts of NaN differ too.
     """
-    value = tf.clip_by_value(tf.cast(tf.convert_to_tensor(log2_factor), tf.float32), -126.0, 127.0)
+    value = tf.cast(tf.convert_to_tensor(log2_factor), tf.float32)
+    value = tf.where(tf.math.is_nan(value), float(low), value)
+    value = tf.clip_by_value(value, float(low), float(high))
     return tf.cast(tf.cast(value, tf.int32), tf.float32)  # the cast truncates
 
 

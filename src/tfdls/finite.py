@@ -138,6 +138,42 @@ def finite_flags(values: Sequence[tf.Tensor]) -> tf.Tensor:
     return tf.stack(flags)
 
 
+def largest_magnitudes(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """Per tensor, its largest magnitude in its own dtype: +inf if it holds a NaN or Inf, 0 if empty.
+
+    Args:
+        values: a list of dense float tensors (see `gradient_values`).
+
+    One reading answers both "is it finite?" and "how large is it?", exactly:
+    inside XLA, one fused reduction of ``|x|`` with NaN replaced by +inf
+    first (so the answer never depends on how a maximum treats NaN);
+    elsewhere `finite_flags` decides finiteness and a maximum and a minimum,
+    which only read, give the largest magnitude of a finite tensor. Scaling
+    is monotonic, so ``largest / divisor`` is finite exactly when every
+    element's quotient is (see `LossScaleOptimizer` with scale boundaries).
+
+    Example:
+
+    >>> [float(m) for m in tfdls.finite.largest_magnitudes(
+    ...     [tf.constant([1.0, -3.0]), tf.constant([2.0, float("nan")]), tf.zeros([0])])]
+    [3.0, inf, 0.0]
+    """
+    _check_floating(values)
+    largest = []
+    if _compat.in_xla_context():
+        for value in values:
+            magnitude = tf.where(
+                tf.math.is_nan(value), tf.constant(float("inf"), value.dtype), tf.abs(value)
+            )
+            largest.append(tf.maximum(tf.reduce_max(magnitude), tf.zeros([], value.dtype)))
+        return largest
+    for value, finite in zip(values, tf.unstack(finite_flags(values), len(values))):
+        magnitude = tf.maximum(tf.maximum(tf.reduce_max(value), -tf.reduce_min(value)),
+                               tf.zeros([], value.dtype))
+        largest.append(tf.where(finite, magnitude, tf.constant(float("inf"), value.dtype)))
+    return largest
+
+
 def nonfinite_counts(values: Sequence[tf.Tensor], across_replicas: bool = False) -> tf.Tensor:
     """Per tensor, how many replicas saw a NaN/Inf in it (float32 vector).
 
