@@ -159,19 +159,25 @@ def largest_magnitudes(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     [3.0, inf, 0.0]
     """
     _check_floating(values)
-    largest = []
     if _compat.in_xla_context():
-        for value in values:
-            magnitude = tf.where(
-                tf.math.is_nan(value), tf.constant(float("inf"), value.dtype), tf.abs(value)
-            )
-            largest.append(tf.maximum(tf.reduce_max(magnitude), tf.zeros([], value.dtype)))
-        return largest
-    for value, finite in zip(values, tf.unstack(finite_flags(values), len(values))):
-        magnitude = tf.maximum(tf.maximum(tf.reduce_max(value), -tf.reduce_min(value)),
-                               tf.zeros([], value.dtype))
-        largest.append(tf.where(finite, magnitude, tf.constant(float("inf"), value.dtype)))
-    return largest
+        return [_floor_at_zero(
+            tf.reduce_max(tf.where(tf.math.is_nan(v), tf.constant(float("inf"), v.dtype),
+                                   tf.abs(v))), v) for v in values]
+    return [
+        tf.where(finite, _floor_at_zero(tf.maximum(tf.reduce_max(v), -tf.reduce_min(v)), v),
+                 tf.constant(float("inf"), v.dtype))
+        for v, finite in zip(values, tf.unstack(finite_flags(values), len(values)))
+    ]
+
+
+def _floor_at_zero(largest, value):
+    # An empty tensor's maximum is -inf: its largest magnitude is 0. Only
+    # where the size is unknown does this cost an operation (XLA would not
+    # fuse it into the reduction).
+    size = value.shape.num_elements()
+    if size is None:
+        return tf.maximum(largest, tf.zeros([], value.dtype))
+    return largest if size else tf.zeros([], value.dtype)
 
 
 def nonfinite_counts(values: Sequence[tf.Tensor], across_replicas: bool = False) -> tf.Tensor:

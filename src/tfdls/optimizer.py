@@ -140,6 +140,32 @@ def _as_value(grad, scale, already_unscaled):
     return tf.where(already_unscaled, _division.multiply(grad, scale), grad)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Divisions:
+    """How `LossScaleOptimizer._step` divides each gradient (see `_check_with_boundaries`).
+
+    kinds: per gradient, ``"value"`` (`as_value`), ``"scale"`` (`by_scale`)
+    or ``"boundaries"`` (`by_boundaries`, with the divisor of its segment:
+    `segments` per gradient, `segment_divisors` the vectors
+    ``(exponents, pieces)`` of `LossScaleOptimizer._boundary_divisors`).
+    """
+
+    as_value: Any
+    by_scale: Any
+    by_boundaries: Any
+    kinds: list
+    segments: list | None
+    segment_divisors: tuple | None
+
+    def gather_divisors(self, indices):
+        """The ``(exponent, pieces)`` of segments `indices` (1 below boundary 0), as vectors:
+        elementwise the values each gradient of those segments is divided by."""
+        exponents, pieces = self.segment_divisors
+        indices = tf.constant(indices, tf.int32)
+        return (tf.gather(exponents, indices),
+                None if pieces is None else [tf.gather(p, indices) for p in pieces])
+
+
 class BFloat16Warning(UserWarning):
     """Loss scaling a bfloat16 model: harmless, but it does nothing useful.
 
@@ -531,7 +557,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 with keras.name_scope(self.name, caller=self):
                     self.build(variables)
                 self.built = True
-            divisors = self._boundary_divisors(scale, tf.constant(False), variables)
+            divisors, _ = self._boundary_divisors(scale, tf.constant(False), variables)
             unscaled = [
                 None if g is None
                 else _division.divide(g, scale, how) if d is None
@@ -548,7 +574,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _boundary_divisors(self, divisor, already_unscaled, trainable_variables, totals=None):
         """Per variable: None (no boundary above it), or ``(exponent, pieces)`` to divide its
-        gradient by with `_division.divide_by_power_of_two`.
+        gradient by with `_division.divide_by_power_of_two`; and the same per segment below
+        a boundary as vectors ``(exponents, pieces)`` (None without such segments).
 
         The divisor of a variable below boundaries is ``2**(log2(divisor) + T)``,
         T the sum of the exponents of the boundaries above it; 1 where the
@@ -571,18 +598,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 ) from None
         segments = len(totals) - 1
         if not segments:
-            return [None] * len(positions)
+            return [None] * len(positions), None
         exponents = _division.exponent_of(divisor) + tf.cast(tf.stack(totals[1:]), tf.int32)
         exponents = tf.where(already_unscaled, tf.zeros_like(exponents), exponents)
         by_segment = [(e, None) for e in tf.unstack(exponents, segments)]
+        pieces = None
         if _compat.in_xla_context():
+            pieces = _division.reciprocal_pieces(exponents, self._max_exponent())
             # [pieces, segments] -> per segment, its pieces.
-            pieces = tf.unstack(tf.stack(
-                _division.reciprocal_pieces(exponents, self._max_exponent()), axis=1
-            ), segments)
-            by_segment = [(e, tf.unstack(p)) for (e, _), p in zip(by_segment, pieces)]
-        return [None if scales.segment_of[p] == 0 else by_segment[scales.segment_of[p] - 1]
-                for p in positions]
+            per_segment = tf.unstack(tf.stack(pieces, axis=1), segments)
+            by_segment = [(e, tf.unstack(p)) for (e, _), p in zip(by_segment, per_segment)]
+        per_variable = [None if scales.segment_of[p] == 0 else by_segment[scales.segment_of[p] - 1]
+                        for p in positions]
+        return per_variable, (exponents, pieces)
 
     def _divide_by_boundaries(self, grad, divisor, boundaries):
         exponent, pieces = divisor
@@ -740,26 +768,35 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             exponents = self._boundary_scales.exponents()
             totals = self._boundary_scales.totals(exponents)
             boundary = (exponents, totals, already_unscaled)
-            per_variable = self._boundary_divisors(
+            per_variable, segment_divisors = self._boundary_divisors(
                 divisor, already_unscaled, trainable_variables, totals
             )
+            segments = [self._boundary_scales.segment_of[self._get_variable_index(v)]
+                        for v in trainable_variables]
         else:
             per_variable = [None] * len(grads)
+            segment_divisors = segments = None
 
-        def divider(divides, boundary_divisor):
-            # One gradient's division, as a function: with boundaries the
-            # check applies it to the gradient's largest magnitude too.
-            if not divides:
-                return lambda g: _as_value(g, scale, already_unscaled)
-            if boundary_divisor is None:
-                return lambda g: _division.divide(g, divisor, plan.division)
-            return lambda g: self._divide_by_boundaries(
-                g, boundary_divisor, self._boundary_map.boundaries)
-
-        dividers = [divider(d, b) for d, b in zip(plan.divide, per_variable)]
-        unscaled = [divide(g) for divide, g in zip(dividers, grads)]
+        # How each gradient is divided; with boundaries the check divides each
+        # gradient's largest magnitude the same way.
+        divisions = _Divisions(
+            as_value=lambda g: _as_value(g, scale, already_unscaled),
+            by_scale=lambda g: _division.divide(g, divisor, plan.division),
+            by_boundaries=lambda g, d: _division.divide_by_power_of_two(
+                g, d[0], self._max_exponent(), d[1]),
+            kinds=["value" if not d else "scale" if b is None else "boundaries"
+                   for d, b in zip(plan.divide, per_variable)],
+            segments=segments,
+            segment_divisors=segment_divisors,
+        )
+        unscaled = [
+            divisions.as_value(g) if kind == "value"
+            else divisions.by_scale(g) if kind == "scale"
+            else self._divide_by_boundaries(g, b, self._boundary_map.boundaries)
+            for g, kind, b in zip(grads, divisions.kinds, per_variable)
+        ]
         if boundary is not None:
-            boundary = boundary + (dividers,)
+            boundary = boundary + (divisions,)
         checked = grads if plan.check == "scaled" else unscaled
         should_apply = self._update_loss_scale(
             checked, unscaled, trainable_variables, scale, grads, boundary
@@ -854,7 +891,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._overflow.record(is_finite, mask, tf.cast(self.iterations, tf.int64), stuck)
         return is_finite
 
-    def _check_with_boundaries(self, grads, present, dividers):
+    def _check_with_boundaries(self, grads, present, divisions):
         """Per present gradient: how many replicas saw a non-finite gradient *after* its
         division, and its largest scaled magnitude (float32), both the same on every replica.
 
@@ -863,16 +900,34 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         monotonic in magnitude, so the quotient of the largest magnitude
         (`finite.largest_magnitudes`, +inf for NaN/Inf) by the gradient's own
         divisor is finite exactly when every element's is: one reading of
-        each gradient answers both the check and the adaptation.
+        each gradient answers both the check and the adaptation. The
+        quotients are computed per kind of division and dtype as vectors
+        (elementwise, the same arithmetic as each gradient's), so a step
+        costs a few operations, not a few per gradient.
         """
         largest = finite.largest_magnitudes(finite.gradient_values([grads[i] for i in present]))
-        bad = tf.stack([
-            tf.logical_not(tf.math.is_finite(dividers[i](m))) for i, m in zip(present, largest)
-        ])
+        groups = {}
+        for k, i in enumerate(present):
+            groups.setdefault((divisions.kinds[i], largest[k].dtype), []).append(k)
+        bad, magnitudes, order = [], [], []
+        for (kind, _), members in groups.items():
+            stacked = tf.stack([largest[k] for k in members])
+            if kind == "value":
+                quotient = divisions.as_value(stacked)
+            elif kind == "scale":
+                quotient = divisions.by_scale(stacked)
+            else:
+                quotient = divisions.by_boundaries(stacked, divisions.gather_divisors(
+                    [divisions.segments[present[k]] - 1 for k in members]))
+            bad.append(tf.logical_not(tf.math.is_finite(quotient)))
+            magnitudes.append(tf.cast(stacked, tf.float32))
+            order += members
+        bad, magnitudes = tf.concat(bad, 0), tf.concat(magnitudes, 0)
+        if order != sorted(order):  # back to the order of `present`
+            inverse = np.argsort(order).astype(np.int32)
+            bad, magnitudes = tf.gather(bad, inverse), tf.gather(magnitudes, inverse)
         counts = _distribute.sum_over_replicas(tf.cast(bad, tf.float32))
-        largest = _distribute.max_over_replicas(
-            tf.stack([tf.cast(m, tf.float32) for m in largest]))
-        return counts, largest
+        return counts, _distribute.max_over_replicas(magnitudes)
 
     def _update_boundaries(self, boundary, is_finite, counts, largest, positions, scale):
         """The scale boundaries' step; returns whether the global scale answers an overflow."""
