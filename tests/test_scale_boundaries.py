@@ -1163,3 +1163,52 @@ def test_a_finite_gradient_whose_division_overflows_is_skipped(hypothesis, mode,
             np.testing.assert_array_equal(v.numpy(), expected, err_msg=f"{v.path}: {q!r}")
 
     check()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_check_names_the_overflowing_variables_with_mixed_dtypes(hypothesis, mode):
+    """float16 and float32 layers interleaved below boundaries: the check
+    divides the largest magnitudes per dtype as vectors and must put each
+    answer back on its own variable (the overflow report names exactly the
+    variables whose divided gradient is non-finite)."""
+    from hypothesis import given, settings, strategies as st
+
+    keras.mixed_precision.set_global_policy("float32")
+    stack = [keras.Input((2,)), tfdls.UnscaledInput()]
+    for i, dtype in enumerate(["float16", "float32", "float16"]):
+        stack += [keras.layers.Dense(2, dtype=dtype, name=f"d{i}"),
+                  tfdls.ScaleBoundary(min_log2_factor=-14, max_log2_factor=15, name=f"b{i}")]
+    model = keras.Sequential(stack + [keras.layers.Dense(1, name="d3")])
+    boundaries = [layer for layer in model.layers if isinstance(layer, tfdls.ScaleBoundary)]
+    optimizer = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0), tfdls.DynamicLossScale(1.0),
+                                         scale_boundaries=model)
+    variables = model.trainable_variables
+    step = lambda grads: optimizer.apply(grads, variables)  # noqa: E731
+    if mode != "eager":
+        step = tf.function(step, jit_compile=mode == "xla")
+    layer_index = [int(v.path.split("/")[-2][1:]) for v in variables]
+
+    @settings(max_examples=25 if mode == "graph" else 8, deadline=None)
+    @given(st.lists(st.integers(-14, 15), min_size=3, max_size=3),
+           st.lists(st.sampled_from([1.0, 2.0**10, 3.0e4, 2.0**100]), min_size=len(variables),
+                    max_size=len(variables)))
+    def check(factors, magnitudes):
+        for boundary, f in zip(boundaries, factors):
+            boundary.log2_factor.assign(float(f))
+        grads, bad = [], []
+        for v, layer, m in zip(variables, layer_index, magnitudes):
+            exponent = sum(factors[layer:])  # the boundaries above layer `layer`
+            np_dtype = np.dtype(v.dtype).type
+            with np.errstate(over="ignore"):
+                g = np_dtype(m)
+                q = np.array([np.ldexp(np.float64(g), -exponent)]).astype(np_dtype)[0]
+            grads.append(tf.fill(v.shape, tf.constant(g, v.dtype)))
+            if not np.isfinite(q):
+                bad.append(v.path)
+        skipped = int(optimizer.loss_scale.num_skipped_steps.numpy())
+        step(grads)
+        assert int(optimizer.loss_scale.num_skipped_steps.numpy()) == skipped + bool(bad)
+        if bad:
+            assert sorted(optimizer.last_overflow().variable_names) == sorted(bad)
+
+    check()
