@@ -235,3 +235,59 @@ def test_gradient_accumulation_under_merge_call_raises_naming_the_setting(mirror
     strategy.run(lambda: opt.apply([tf.constant([scale, scale])], [w]))
     strategy.run(lambda: opt.apply([tf.constant([3 * scale, 3 * scale])], [w]))
     np.testing.assert_allclose(w.numpy(), [1.0 - 0.1 * 4, 2.0 - 0.1 * 4], rtol=1e-6)
+
+
+# -- the replicas' sum ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("boundaries", [False, True])
+def test_a_replica_sum_that_could_overflow_skips_the_step(mirrored_strategy, boundaries):
+    """float16 variables: each replica's gradient of 40000 is finite, their sum
+    (80000) is not, and Keras sums them before applying: the step used to
+    apply Inf (found by review). 16000 each sums to 32000 and applies exactly.
+    Replica-dependent gradients: 30000 and 10000 sum to 40000 (applies)."""
+    strategy = mirrored_strategy
+    keras.mixed_precision.set_global_policy("float16")
+    with strategy.scope():
+        layers = [keras.Input((2,)), tfdls.UnscaledInput(),
+                  keras.layers.Dense(2, use_bias=False, name="d0")]
+        if boundaries:
+            layers.append(tfdls.ScaleBoundary(min_log2_factor=-2, max_log2_factor=-2,
+                                              initial_log2_factor=-2))
+        model = keras.Sequential(layers + [keras.layers.Dense(1, use_bias=False, name="d1")])
+        opt = tfdls.LossScaleOptimizer(
+            keras.optimizers.SGD(1.0), tfdls.DynamicLossScale(1.0),
+            scale_boundaries=model if boundaries else None)
+        opt.build(model.trainable_variables)
+    variables = model.trainable_variables
+    # Below a boundary at 2**-2 the gradient given is a quarter of what is applied.
+    given = [0.25 if boundaries and v.path.endswith("d0/kernel") else 1.0 for v in variables]
+
+    @tf.function
+    def step(first, second):
+        def replica_step():
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            value = tf.where(replica == 0, first, second)
+            grads = [tf.fill(v.shape, tf.cast(value * g, v.dtype)) for v, g in zip(variables, given)]
+            opt.apply(grads, variables)
+        strategy.run(replica_step)
+
+    for v in variables:
+        v.assign(tf.zeros_like(v))
+    step(tf.constant(40000.0), tf.constant(40000.0))
+    assert int(opt.iterations.numpy()) == 0
+    assert int(opt.loss_scale.num_skipped_steps.numpy()) == 1
+    assert sorted(opt.last_overflow().variable_names) == sorted(v.path for v in variables)
+    for v in variables:
+        for copy in _local(strategy, v):
+            np.testing.assert_array_equal(copy, np.zeros(v.shape, "float16"))
+    for first, second in ((16000.0, 16000.0), (30000.0, 10000.0)):
+        for v in variables:
+            v.assign(tf.zeros_like(v))
+        iterations = int(opt.iterations.numpy())
+        step(tf.constant(first), tf.constant(second))
+        assert int(opt.iterations.numpy()) == iterations + 1
+        for v in variables:
+            for copy in _local(strategy, v):
+                np.testing.assert_array_equal(
+                    copy, np.full(v.shape, -(first + second), "float16"))

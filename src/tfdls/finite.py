@@ -180,6 +180,41 @@ def _floor_at_zero(largest, value):
     return largest if size else tf.zeros([], value.dtype)
 
 
+def replica_sum_may_overflow(largest: Sequence[tf.Tensor], replicas: int) -> tf.Tensor:
+    """Per tensor: could the replicas' sum of it overflow its dtype? (a bool vector)
+
+    Args:
+        largest: per tensor, this replica's largest magnitude in the tensor's
+            dtype (`largest_magnitudes` of what will be summed).
+        replicas: how many replicas sum it (the strategy's
+            ``num_replicas_in_sync``).
+
+    A Keras optimizer under a strategy sums the replicas' gradients before it
+    applies them, so every replica's gradient can be finite and their sum
+    Inf. No element of the sum is larger than the sum of the replicas'
+    largest magnitudes, whatever the order of summation, up to one rounding
+    per addition: True where that sum (all-reduced in float64) exceeds the
+    dtype's largest value less those roundings. Conservative: a sum that
+    would just fit may be reported.
+    """
+    if not largest:
+        return tf.zeros([0], tf.bool)
+    # One all-reduce for all tensors.
+    totals = _distribute.sum_over_replicas(tf.stack([tf.cast(v, tf.float64) for v in largest]))
+    limits = tf.constant([_FLOAT_INFO[v.dtype][0] * (1.0 - replicas * 2.0 ** -_FLOAT_INFO[v.dtype][1])
+                          for v in largest], tf.float64)
+    return tf.logical_not(totals <= limits)  # NaN or Inf: may overflow too
+
+
+# dtype -> (largest finite value, significand bits).
+_FLOAT_INFO = {
+    tf.float16: (65504.0, 11),
+    tf.bfloat16: (3.3895313892515355e38, 8),
+    tf.float32: (3.4028234663852886e38, 24),
+    tf.float64: (1.7976931348623157e308, 53),
+}
+
+
 def nonfinite_counts(values: Sequence[tf.Tensor], across_replicas: bool = False) -> tf.Tensor:
     """Per tensor, how many replicas saw a NaN/Inf in it (float32 vector).
 

@@ -863,6 +863,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             counts = finite.nonfinite_counts(
                 finite.gradient_values([checked[i] for i in present]), across_replicas=True
             )
+        replicas = _distribute.replicas_in_sync()
+        if replicas > 1 and not custom:
+            # The inner optimizer sums the replicas' divided gradients: a step
+            # whose sum could overflow is skipped too (names its variables).
+            may_overflow = finite.replica_sum_may_overflow(finite.largest_magnitudes(
+                finite.gradient_values([unscaled[i] for i in present])), replicas)
+            counts = counts + tf.cast(may_overflow, tf.float32)
         global_shrinks = None
         if custom:
             # The custom decision, made the same on every replica.
