@@ -481,13 +481,7 @@ class _SeenBoundaries:
         if escaped:
             outer = getattr(tf.compat.v1.get_default_graph(), "outer_graph", None)
             while outer is not None:
-                crossed, divided = {}, set()
-                for boundaries, divides in self._entries(outer).values():
-                    if divides:
-                        divided.update(id(b) for b in boundaries)
-                    else:
-                        crossed.update({id(b): b for b in boundaries})
-                found.update({k: b for k, b in crossed.items() if k not in divided})
+                found.update(self._undivided_in(outer))
                 outer = getattr(outer, "outer_graph", None)
         return list(found.values())
 
@@ -552,14 +546,18 @@ class _SeenBoundaries:
                 outer = getattr(outer, "outer_graph", None)
             if outer is None:
                 continue
-            crossed, divided = {}, set()
-            for boundaries, divides in self._entries(inner).values():
-                if divides:
-                    divided.update(id(b) for b in boundaries)
-                else:
-                    crossed.update({id(b): b for b in boundaries})
-            found.update({k: b for k, b in crossed.items() if k not in divided})
+            found.update(self._undivided_in(inner))
         return found
+
+    def _undivided_in(self, graph):
+        """{id: boundary} crossed in `graph` and divided nowhere in it."""
+        crossed, divided = {}, set()
+        for boundaries, divides in self._entries(graph).values():
+            if divides:
+                divided.update(id(b) for b in boundaries)
+            else:
+                crossed.update({id(b): b for b in boundaries})
+        return {k: b for k, b in crossed.items() if k not in divided}
 
 
 # Ops that run a function body (cond branches, loops, nested tf.functions).
