@@ -864,17 +864,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 finite.gradient_values([checked[i] for i in present]), across_replicas=True
             )
         replicas = _distribute.replicas_in_sync()
-        if replicas > 1 and not custom:
+        sum_may_overflow = tf.constant(False)
+        if replicas > 1:
             # The inner optimizer sums the replicas' divided gradients: a step
-            # whose sum could overflow is skipped too (names its variables).
+            # whose sum could overflow is skipped too (names its variables),
+            # whatever a custom scale decided.
             may_overflow = finite.replica_sum_may_overflow(finite.largest_magnitudes(
                 finite.gradient_values([unscaled[i] for i in present])), replicas)
+            sum_may_overflow = tf.reduce_any(may_overflow)
             counts = counts + tf.cast(may_overflow, tf.float32)
         global_shrinks = None
         if custom:
             # The custom decision, made the same on every replica.
             vetoes = tf.cast(tf.logical_not(should_apply), tf.float32)
-            is_finite = tf.equal(_distribute.sum_over_replicas(vetoes), 0.0)
+            is_finite = tf.logical_and(tf.equal(_distribute.sum_over_replicas(vetoes), 0.0),
+                                       tf.logical_not(sum_may_overflow))
         else:
             is_finite = tf.equal(tf.reduce_sum(counts), 0.0)
             if with_boundaries:
