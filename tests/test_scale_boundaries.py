@@ -562,13 +562,14 @@ def hypothesis():
     return pytest.importorskip("hypothesis")
 
 
-def test_adaptation_matches_the_written_algorithm(hypothesis):
+@pytest.mark.parametrize("mode", ["eager", "xla"])
+def test_adaptation_matches_the_written_algorithm(hypothesis, mode):
     from hypothesis import given, settings, strategies as st
 
-    @settings(max_examples=60, deadline=None)
+    @settings(max_examples=60 if mode == "eager" else 20, deadline=None)
     @given(st.data())
     def check(data):
-        count = data.draw(st.integers(1, 5))
+        count = data.draw(st.integers(1, 8))
         parents = [-1] + [data.draw(st.integers(-1, k - 1)) for k in range(1, count)]
         mins = [data.draw(st.integers(-3, 2)) for _ in range(count)]
         maxs = [m + data.draw(st.integers(0, 8)) for m in mins]
@@ -598,11 +599,16 @@ def test_adaptation_matches_the_written_algorithm(hypothesis):
         scales.map = fake
         scales.boundaries = tuple(layers)
         scales.lowered = tf.Variable(np.zeros([count], np.bool_))
-        global_shrinks = scales.update(
-            [tf.constant(float(e)) for e in exponents], tf.constant(is_finite),
-            [tf.constant(b) for b in bad], [tf.constant(e, tf.float32) for e in seg_exp],
-            tf.constant(3, tf.int64),
-        )
+        def update():
+            exponent_vector = tf.constant([float(e) for e in exponents])
+            return scales.update(
+                exponent_vector, scales.totals(exponent_vector), tf.constant(is_finite),
+                tf.constant(bad), tf.constant(seg_exp, tf.float32), tf.constant(3, tf.int64),
+            )
+
+        if mode == "xla":
+            update = tf.function(update, jit_compile=True)
+        global_shrinks = update()
         want, want_global = reference_update(exponents, parents, mins, maxs, margins, bad,
                                              seg_exp, is_finite, due)
         got = [float(b.log2_factor.numpy()) for b in layers]

@@ -10,6 +10,8 @@ scale answers the overflow.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import tensorflow as tf
 
@@ -26,6 +28,36 @@ def binary_exponent(value):
     bits = tf.bitcast(tf.cast(value, tf.float32), tf.int32)
     exponent = tf.cast(tf.bitwise.right_shift(bits, 23), tf.float32) - 127.0
     return tf.where(bits > 0, exponent, tf.fill(tf.shape(exponent), -float("inf")))
+
+
+class _Tree:
+    """The boundaries' tree as constant arrays, so each step's arithmetic is a few vector ops.
+
+    Index ``count`` is a sentinel: the "boundary" above the top ones, with
+    exponent 0, never lowered, never moved.
+    """
+
+    def __init__(self, parents, boundaries):
+        count = len(boundaries)
+        self.count = count
+        chains = []
+        for k in range(count):
+            chain = []
+            while k >= 0:
+                chain.append(k)
+                k = parents[k]
+            chains.append(chain)
+        self.depth = max((len(c) for c in chains), default=0)
+        # Per boundary, the boundaries from it up to the top (nearest first),
+        # padded with the sentinel.
+        self.chains = np.full([count, max(self.depth, 1)], count, np.int32)
+        for k, chain in enumerate(chains):
+            self.chains[k, :len(chain)] = chain
+        self.parents = np.array([count if p < 0 else p for p in parents] + [count], np.int32)
+        self.mins = np.array([b.min_log2_factor for b in boundaries], np.float32)
+        self.maxs = np.array([b.max_log2_factor for b in boundaries], np.float32)
+        self.margins = np.array([b.margin_bits for b in boundaries], np.float32)
+        self.periods = np.array([b.adjust_period for b in boundaries], np.int64)
 
 
 class BoundaryScales(tf.Module):
@@ -67,30 +99,36 @@ class BoundaryScales(tf.Module):
             self.positions_of_segment[segment].append(position)
         self.names = [b.name for b in self.boundaries]
 
-    def chain(self, boundary):
-        """Boundary indices from `boundary` up to the top."""
-        found = []
-        while boundary >= 0:
-            found.append(boundary)
-            boundary = self.map.parents[boundary]
-        return found
+    @functools.cached_property
+    def _tree(self):
+        return _Tree(self.map.parents, self.boundaries)
 
     def exponents(self):
-        """This step's exponent per boundary (float32 scalars), read once."""
-        return [b.exponent() for b in self.boundaries]
+        """This step's exponent per boundary (a float32 vector), read once: each
+        factor read as `ScaleBoundary.exponent` reads it, all at once."""
+        tree = self._tree
+        if not tree.count:
+            return tf.zeros([0])
+        values = tf.stack([b.log2_factor.value for b in self.boundaries])
+        return boundaries_lib.integer_exponent(values, tree.mins, tree.maxs)
 
     def totals(self, exponents):
-        """Per segment, the exponent sum of the boundaries above it (float32 scalars)."""
-        totals = [tf.constant(0.0)]
-        for k in range(len(self.boundaries)):
-            totals.append(tf.add_n([exponents[i] for i in self.chain(k)]))
-        return totals
+        """Per segment, the exponent sum of the boundaries above it (a float32 vector;
+        segment 0, above every boundary, has 0). Sums of small integers: exact."""
+        tree = self._tree
+        with_sentinel = tf.concat([exponents, [0.0]], 0)
+        below = tf.reduce_sum(tf.gather(with_sentinel, tree.chains), axis=1)[:tree.count]
+        return tf.concat([[0.0], below], 0)
 
-    def update(self, exponents, is_finite, segment_bad, segment_exponent, iterations):
+    def update(self, exponents, totals, is_finite, segment_bad, segment_exponent, iterations):
         """In-step, branch-free: the new exponents, and whether the global scale shrinks.
+
+        Vector operations over all boundaries: a handful to lower on a skipped
+        step, a handful per level of nesting to place the factors.
 
         Args:
             exponents: `exponents()`, read before the gradients were divided.
+            totals: `totals(exponents)`.
             is_finite: the replica-agreed decision of this step.
             segment_bad: per segment, a bool: a non-finite gradient in it.
             segment_exponent: per segment, the float32 binary exponent of
@@ -101,47 +139,57 @@ class BoundaryScales(tf.Module):
         Returns:
             global_shrinks: a scalar bool.
         """
-        count = len(self.boundaries)
-        lower = [tf.constant(False)] * count
-        global_shrinks = segment_bad[0]
-        for segment in range(1, count + 1):
-            still = segment_bad[segment]
-            for k in self.chain(segment - 1):
-                can = exponents[k] > self.boundaries[k].min_log2_factor
-                lower[k] = tf.logical_or(lower[k], tf.logical_and(still, can))
-                still = tf.logical_and(still, tf.logical_not(can))
-            global_shrinks = tf.logical_or(global_shrinks, still)
+        tree = self._tree
+        count = tree.count
+        if not count:
+            return segment_bad[0]
+        bad_below = segment_bad[1:]
 
-        totals = self.totals(exponents)
+        # Skipped step: for each bad block, along its chain (nearest first),
+        # the first boundary that can go lower does; where none can, the
+        # global scale shrinks.
+        can = tf.concat([exponents > tree.mins, [False]], 0)
+        can_along = tf.gather(can, tree.chains)
+        nearer_can = tf.cumsum(tf.cast(can_along, tf.float32), axis=1, exclusive=True)
+        first = tf.logical_and(can_along, tf.equal(nearer_can, 0.0))
+        hits = tf.cast(tf.logical_and(first, bad_below[:, tf.newaxis]), tf.float32)
+        lower = tf.math.unsorted_segment_max(hits, tree.chains, count + 1)[:count] > 0.0
+        none_can = tf.logical_not(tf.reduce_any(can_along, axis=1))
+        global_shrinks = tf.logical_or(
+            segment_bad[0], tf.reduce_any(tf.logical_and(bad_below, none_can)))
+
+        # Finite step: a due boundary whose block and top have a largest
+        # element moves its total to its target, placed against its parent's
+        # total as it will be (moved or not), within its bounds; the others
+        # keep their exponent. After level d, every boundary at depth <= d
+        # is placed (the sentinel stays 0: never moves, exponent 0).
         top = segment_exponent[0]
-        # Totals after this step, parents first: a boundary not due this step
-        # keeps its exponent, and a due one is placed against its parent's
-        # total as it will be (moved or not), not as it would be if moved.
-        new_totals = {-1: tf.constant(0.0)}
-        finite_values = [None] * count
-        for k in range(count):
-            b = self.boundaries[k]
-            parent_total = new_totals[self.map.parents[k]]
-            exponent = segment_exponent[k + 1]
-            known = tf.logical_and(tf.math.is_finite(exponent), tf.math.is_finite(top))
-            move = tf.floor(tf.where(known, top - exponent - b.margin_bits, 0.0))
-            target = tf.where(known, totals[k + 1] + move, parent_total + exponents[k])
-            adjusted = tf.clip_by_value(
-                target - parent_total, float(b.min_log2_factor), float(b.max_log2_factor)
-            )
-            due = tf.equal(tf.math.floormod(iterations, b.adjust_period), 0)
-            finite_values[k] = tf.where(due, adjusted, exponents[k])
-            new_totals[k] = parent_total + finite_values[k]
+        block = segment_exponent[1:]
+        known = tf.logical_and(tf.math.is_finite(block), tf.math.is_finite(top))
+        move = tf.floor(tf.where(known, top - block - tree.margins, 0.0))
+        due = tf.equal(tf.math.floormod(iterations, tree.periods), 0)
+        moves = tf.concat([tf.logical_and(due, known), [False]], 0)
+        targets = tf.concat([totals[1:] + move, [0.0]], 0)
+        kept = tf.concat([exponents, [0.0]], 0)
+        low = np.append(tree.mins, 0.0).astype(np.float32)
+        high = np.append(tree.maxs, 0.0).astype(np.float32)
+        new_totals = tf.zeros([count + 1])
+        for _ in range(tree.depth):
+            parent_total = tf.gather(new_totals, tree.parents)
+            values = tf.where(moves, tf.clip_by_value(targets - parent_total, low, high), kept)
+            new_totals = parent_total + values
+        finite_values = values[:count]
 
-        for k, b in enumerate(self.boundaries):
-            skipped_value = tf.where(lower[k], exponents[k] - 1.0, exponents[k])
-            b.log2_factor.assign(tf.where(is_finite, finite_values[k], skipped_value))
-        if count:
-            self.lowered.assign(tf.where(is_finite, self.lowered, tf.stack(lower)))
+        skipped_values = tf.where(lower, exponents - 1.0, exponents)
+        new = tf.where(is_finite, finite_values, skipped_values)
+        for b, value in zip(self.boundaries, tf.unstack(new, count)):
+            b.log2_factor.assign(value)
+        self.lowered.assign(tf.where(is_finite, self.lowered, lower))
         return global_shrinks
 
     def segment_figures(self, counts, largest, positions):
-        """Per segment: any non-finite gradient, and the binary exponent of its largest element.
+        """Per segment (vectors): any non-finite gradient, and the binary exponent of its
+        largest element.
 
         Args:
             counts: per present gradient, its replica-agreed non-finite count.
@@ -153,10 +201,8 @@ class BoundaryScales(tf.Module):
         ids = tf.constant([self.segment_of[p] for p in positions], tf.int32)
         # One reduction each over all segments (an empty segment gets the
         # dtype's lowest value: not bad, and no largest element).
-        bad = tf.unstack(tf.math.unsorted_segment_max(counts, ids, segments) > 0, segments)
-        found = tf.unstack(
-            binary_exponent(tf.math.unsorted_segment_max(largest, ids, segments)), segments
-        )
+        bad = tf.math.unsorted_segment_max(counts, ids, segments) > 0
+        found = binary_exponent(tf.math.unsorted_segment_max(largest, ids, segments))
         return bad, found
 
     def lowered_names(self):

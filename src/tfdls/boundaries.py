@@ -404,9 +404,9 @@ def _first_order_only(gradient, layer):
     return identity(gradient)
 
 
-def integer_exponent(log2_factor, low: int = -126, high: int = 127):
+def integer_exponent(log2_factor, low=-126, high=127):
     """`log2_factor` as a float32 integer: truncated toward zero, clipped to [low, high],
-    NaN read as `low`.
+    NaN read as `low` (elementwise; the bounds may be arrays of the same shape).
 
     The one reading of a factor (`ScaleBoundary.exponent`, with the layer's
     bounds), in the backward pass and in the division alike, so a value
@@ -416,8 +416,9 @@ def integer_exponent(log2_factor, low: int = -126, high: int = 127):
     NaN differently, and their float-to-int casts of NaN differ too.
     """
     value = tf.cast(tf.convert_to_tensor(log2_factor), tf.float32)
-    value = tf.where(tf.math.is_nan(value), float(low), value)
-    value = tf.clip_by_value(value, float(low), float(high))
+    low, high = np.float32(low), np.float32(high)  # scalars, or one bound per element
+    value = tf.where(tf.math.is_nan(value), low, value)
+    value = tf.clip_by_value(value, low, high)
     return tf.cast(tf.cast(value, tf.int32), tf.float32)  # the cast truncates
 
 

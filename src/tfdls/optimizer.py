@@ -596,10 +596,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                     "scale boundaries its gradient crossed. An optimizer updates the "
                     "variables it was built with; make a new one for other variables."
                 ) from None
-        segments = len(totals) - 1
+        segments = len(scales.boundaries)
         if not segments:
             return [None] * len(positions), None
-        exponents = _division.exponent_of(divisor) + tf.cast(tf.stack(totals[1:]), tf.int32)
+        exponents = _division.exponent_of(divisor) + tf.cast(totals[1:], tf.int32)
         exponents = tf.where(already_unscaled, tf.zeros_like(exponents), exponents)
         by_segment = [(e, None) for e in tf.unstack(exponents, segments)]
         pieces = None
@@ -948,11 +948,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Gradients given already unscaled: their scaled values are larger by
         # 2**(log2(scale) + T).
         scale_bits = tf.cast(_division.exponent_of(scale), tf.float32)
-        largest_exponents = [
-            e + tf.where(already_unscaled, scale_bits + t, 0.0)
-            for e, t in zip(largest_exponents, totals)
-        ]
-        return scales.update(exponents, is_finite, bad, largest_exponents, self.iterations)
+        largest_exponents = largest_exponents + tf.where(already_unscaled, scale_bits + totals, 0.0)
+        return scales.update(exponents, totals, is_finite, bad, largest_exponents,
+                             self.iterations)
 
     def _record_gradient_stats(self, grads, factors, checked, trainable_variables,
                                should_apply, boundary_factors=None):
