@@ -180,30 +180,114 @@ def _floor_at_zero(largest, value):
     return largest if size else tf.zeros([], value.dtype)
 
 
-def replica_sum_may_overflow(largest: Sequence[tf.Tensor], replicas: int) -> tf.Tensor:
-    """Per tensor: could the replicas' sum of it overflow its dtype? (a bool vector)
+def sum_bounds(grads: Sequence[Any]) -> tuple[tf.Tensor, tf.Tensor]:
+    """Per gradient, a bound of every sum an optimizer forms of its elements, and how many terms
+    such a sum has (two float64 vectors, this replica's).
 
     Args:
-        largest: per tensor, this replica's largest magnitude in the tensor's
-            dtype (`largest_magnitudes` of what will be summed).
-        replicas: how many replicas sum it (the strategy's
-            ``num_replicas_in_sync``).
+        grads: dense tensors or `tf.IndexedSlices` (float values), as they
+            will be applied.
 
-    A Keras optimizer under a strategy sums the replicas' gradients before it
-    applies them, so every replica's gradient can be finite and their sum
-    Inf. No element of the sum is larger than the sum of the replicas'
-    largest magnitudes, whatever the order of summation, up to one rounding
-    per addition: True where that sum (all-reduced in float64) exceeds the
-    dtype's largest value less those roundings. Conservative: a sum that
-    would just fit may be reported.
+    A dense gradient's elements are applied as they are: the bound is its
+    largest magnitude (`largest_magnitudes`), one term. An optimizer adds
+    the rows of an `IndexedSlices` gradient that share an index (a
+    scatter-add, or the dense gradient's segment sum), in no fixed order (on
+    a GPU, atomics); no partial sum of an element is larger than the sum of
+    those rows' largest magnitudes: the bound is the largest such sum over
+    the indices, its terms the most rows one index has. Reads the rows once
+    more and sorts the indices; never densifies.
     """
-    if not largest:
+    bounds, terms = [], []
+    dense = [g for g in grads if not isinstance(g, tf.IndexedSlices)]
+    dense_largest = iter(largest_magnitudes(dense))
+    for grad in grads:
+        if not isinstance(grad, tf.IndexedSlices):
+            bounds.append(tf.cast(next(dense_largest), tf.float64))
+            terms.append(tf.constant(1.0, tf.float64))
+            continue
+        values, indices = grad.values, grad.indices
+        _check_floating([values])
+        width = values.shape[1:].num_elements()
+        if width is None:
+            width = tf.reduce_prod(tf.shape(values)[1:])
+        rows = tf.reshape(tf.abs(values), tf.stack([tf.shape(values)[0], width]))
+        # A row's largest magnitude (0 for a row without elements); a NaN
+        # row makes the step non-finite anyway.
+        row_largest = tf.maximum(tf.cast(tf.reduce_max(rows, axis=1), tf.float64), 0.0)
+        # Rows sorted by index: a run of equal indices is one segment.
+        count = tf.size(indices)
+        order = tf.argsort(indices)
+        ordered = tf.gather(indices, order)
+        position = tf.range(count)
+        previous = tf.gather(ordered, tf.maximum(position - 1, 0))
+        starts = tf.logical_or(tf.equal(position, 0), tf.not_equal(ordered, previous))
+        segment = tf.cumsum(tf.cast(starts, tf.int32)) - 1
+        sums = tf.math.unsorted_segment_sum(tf.gather(row_largest, order), segment, count)
+        per_index = tf.math.unsorted_segment_sum(tf.ones_like(row_largest), segment, count)
+        # Empty slices: no sum (the maxima of nothing are floored at 0).
+        bounds.append(tf.maximum(tf.reduce_max(tf.concat([sums, [0.0]], 0)), 0.0))
+        terms.append(tf.reduce_max(tf.concat([per_index, [1.0]], 0)))
+    return tf.stack(bounds), tf.stack(terms)
+
+
+def sums_may_overflow(grads: Sequence[Any], across_replicas: bool = False,
+                      extra_bounds: Sequence[tf.Tensor] | None = None) -> tf.Tensor:
+    """Per gradient: could a sum the optimizer forms from it overflow its dtype? (a bool vector)
+
+    Args:
+        grads: dense tensors or `tf.IndexedSlices` (float values), as they
+            will be applied.
+        across_replicas: the strategy's replicas sum their gradients before
+            applying them: bound the sum of the replicas' sums (one float64
+            all-reduce), the same answer on every replica.
+        extra_bounds: per gradient, a float64 magnitude added to the sum as
+            one more term (a gradient accumulator's largest element), or None.
+
+    The rule: True where the bound of `sum_bounds` (summed over the
+    replicas) exceeds the dtype's largest value less one rounding per
+    addition. Conservative: a sum that would just fit, or large elements in
+    different places, may be reported; a single dense gradient never is.
+
+    Example:
+
+    >>> rows = tf.IndexedSlices(tf.constant([[40000.0], [40000.0], [1.0]], tf.float16),
+    ...                         tf.constant([3, 3, 5]), tf.constant([8, 1]))
+    >>> tfdls.finite.sums_may_overflow([rows, tf.constant([65504.0], tf.float16)]).numpy()
+    array([ True, False])
+    """
+    if not grads:
         return tf.zeros([0], tf.bool)
-    # One all-reduce for all tensors.
-    totals = _distribute.sum_over_replicas(tf.stack([tf.cast(v, tf.float64) for v in largest]))
-    limits = tf.constant([_FLOAT_INFO[v.dtype][0] * (1.0 - replicas * 2.0 ** -_FLOAT_INFO[v.dtype][1])
-                          for v in largest], tf.float64)
-    return tf.logical_not(totals <= limits)  # NaN or Inf: may overflow too
+    bounds, terms = sum_bounds(grads)
+    if across_replicas:
+        both = _distribute.sum_over_replicas(tf.stack([bounds, terms]))  # one all-reduce
+        bounds, terms = both[0], both[1]
+    if extra_bounds is not None:
+        bounds = bounds + tf.stack(extra_bounds)
+        terms = terms + 1.0
+    dtypes = [(g.values if isinstance(g, tf.IndexedSlices) else g).dtype for g in grads]
+    largest = tf.constant([_FLOAT_INFO[d][0] for d in dtypes], tf.float64)
+    rounding = tf.constant([2.0 ** -_FLOAT_INFO[d][1] for d in dtypes], tf.float64)
+    limits = largest * (1.0 - (terms - 1.0) * rounding)
+    return tf.logical_not(bounds <= limits)  # NaN or Inf: may overflow too
+
+
+def accumulated_sums_finite(grads: Sequence[Any], accumulators: Sequence[Any]) -> tf.Tensor:
+    """Per gradient: is ``accumulator + gradient`` finite? (a bool vector, this replica's)
+
+    Args:
+        grads: dense tensors or `tf.IndexedSlices`, as they will be applied.
+        accumulators: per gradient, the inner optimizer's gradient accumulator
+            (``gradient_accumulation_steps``).
+
+    Keras adds each micro-batch's gradient to its accumulator, in the
+    accumulator's dtype, and applies ``(gradient + accumulator) / steps``:
+    the same addition, so this is exactly whether the window's sum stays
+    finite. An `IndexedSlices` gradient is made dense here, as Keras does to
+    add it.
+    """
+    sums = [tf.convert_to_tensor(a) + tf.cast(tf.convert_to_tensor(g), a.dtype)
+            for g, a in zip(grads, accumulators)]
+    return finite_flags(sums)
 
 
 # dtype -> (largest finite value, significand bits).

@@ -863,14 +863,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             counts = finite.nonfinite_counts(
                 finite.gradient_values([checked[i] for i in present]), across_replicas=True
             )
-        replicas = _distribute.replicas_in_sync()
         sum_may_overflow = tf.constant(False)
-        if replicas > 1:
-            # The inner optimizer sums the replicas' divided gradients: a step
-            # whose sum could overflow is skipped too (names its variables),
-            # whatever a custom scale decided.
-            may_overflow = finite.replica_sum_may_overflow(finite.largest_magnitudes(
-                finite.gradient_values([unscaled[i] for i in present])), replicas)
+        may_overflow = self._sums_may_overflow([unscaled[i] for i in present],
+                                               [trainable_variables[i] for i in present])
+        if may_overflow is not None:
+            # A step whose sums could overflow is skipped too (names its
+            # variables), whatever a custom scale decided.
             sum_may_overflow = tf.reduce_any(may_overflow)
             counts = counts + tf.cast(may_overflow, tf.float32)
         global_shrinks = None
@@ -901,6 +899,38 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 stuck = tf.logical_and(stuck, global_shrinks)
         self._overflow.record(is_finite, mask, tf.cast(self.iterations, tf.int64), stuck)
         return is_finite
+
+    def _sums_may_overflow(self, unscaled, variables):
+        """Per gradient, whether a sum the inner optimizer forms from it could overflow (a bool
+        vector, the same on every replica); None where it forms none.
+
+        The rule: a step applies only if the sums the inner optimizer forms of
+        the divided gradients are finite too: the replicas' sum (several
+        replicas), the rows of one index (`tf.IndexedSlices`) and the window's
+        accumulated gradient (``gradient_accumulation_steps``). See
+        `finite.sums_may_overflow`; with one replica the accumulated sum is
+        read exactly, as Keras adds it.
+        """
+        replicas = _distribute.replicas_in_sync()
+        accumulators = None
+        if getattr(self.inner_optimizer, "gradient_accumulation_steps", None):
+            inner = self.inner_optimizer
+            accumulators = [inner._accumulated_gradients[inner._get_variable_index(v)]
+                            for v in variables]
+        flags = []
+        if replicas > 1 or any(isinstance(g, tf.IndexedSlices) for g in unscaled):
+            extra = None
+            if accumulators is not None and replicas > 1:
+                # The accumulator is added to the replicas' sum: one more term.
+                extra = [tf.cast(m, tf.float64) for m in finite.largest_magnitudes(
+                    [tf.convert_to_tensor(a) for a in accumulators])]
+            flags.append(finite.sums_may_overflow(unscaled, across_replicas=replicas > 1,
+                                                  extra_bounds=extra))
+        if accumulators is not None and replicas == 1:
+            flags.append(tf.logical_not(finite.accumulated_sums_finite(unscaled, accumulators)))
+        if not flags:
+            return None
+        return flags[0] if len(flags) == 1 else tf.logical_or(flags[0], flags[1])
 
     def _check_with_boundaries(self, grads, present, divisions):
         """Per present gradient: how many replicas saw a non-finite gradient *after* its

@@ -1,0 +1,161 @@
+"""Sums the inner optimizer forms of finite gradients: the rows of one index, the window.
+
+Every divided gradient can be finite and a sum the update forms of it Inf:
+the rows of a `tf.IndexedSlices` gradient that share an index are added by
+the update (a scatter-add, or the dense gradient's segment sum), and
+``gradient_accumulation_steps`` adds each micro-batch to the window's
+accumulator. The rule (`tfdls.finite.sums_may_overflow`): a step applies only
+if those sums cannot overflow; otherwise it is skipped exactly, like a
+non-finite gradient. (The replicas' sum is tested in test_optimizer_mirrored.py.)
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdls
+
+F16_MAX = 65504.0
+F16_ROUNDING = 2.0**-11
+
+
+def state(opt, variables):
+    return ([np.array(v.numpy()) for v in variables]
+            + [np.array(v.numpy()) for v in opt.inner_optimizer.variables]
+            + [opt.iterations.numpy()])
+
+
+def assert_same_bits(before, after):
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
+
+
+def sparse_setup(run_mode, rows=8, width=2):
+    table = keras.Variable(np.zeros([rows, width], np.float16), dtype="float16", name="table")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0), tfdls.DynamicLossScale(1.0))
+    opt.build([table])
+
+    @run_mode
+    def step(values, indices):
+        opt.apply([tf.IndexedSlices(values, indices, tf.constant([rows, width]))], [table])
+
+    return table, opt, step
+
+
+def test_rows_of_one_index_that_could_overflow_skip_the_step(run_mode):
+    table, opt, step = sparse_setup(run_mode)
+    step(tf.constant([[1.0, 2.0]], tf.float16), tf.constant([0]))
+    before = state(opt, [table])
+    # Each row finite; rows 3 add up to 80000 > 65504 (the update gave -inf before).
+    step(tf.constant([[40000.0, 1.0], [40000.0, 1.0], [1.0, 1.0]], tf.float16),
+         tf.constant([3, 3, 5]))
+    assert_same_bits(before, state(opt, [table]))
+    assert int(opt.loss_scale.num_skipped_steps.numpy()) == 1
+    assert opt.last_overflow().variable_names == ("table",)
+    # Rows that fit once added are applied, as the bare optimizer applies them.
+    step(tf.constant([[30000.0, 1.0], [30000.0, 1.0], [1.0, 1.0]], tf.float16),
+         tf.constant([3, 3, 5]))
+    np.testing.assert_array_equal(table.numpy()[3], [-60000.0, -2.0])
+    np.testing.assert_array_equal(table.numpy()[5], [-1.0, -1.0])
+    np.testing.assert_array_equal(table.numpy()[0], [-1.0, -2.0])
+    assert int(opt.loss_scale.num_skipped_steps.numpy()) == 1
+
+
+def test_a_single_row_at_the_largest_value_is_applied(run_mode):
+    # One row per index is never reported, however large (no addition).
+    table, opt, step = sparse_setup(run_mode)
+    step(tf.constant([[F16_MAX, -F16_MAX], [F16_MAX, 1.0]], tf.float16), tf.constant([2, 6]))
+    assert int(opt.loss_scale.num_skipped_steps.numpy()) == 0
+    np.testing.assert_array_equal(table.numpy()[2], [-F16_MAX, F16_MAX])
+    np.testing.assert_array_equal(table.numpy()[6], [-F16_MAX, -1.0])
+
+
+def reference_may_overflow(values, indices):
+    """The rule, in plain Python: per index, the sum of the rows' largest magnitudes against
+    the largest value less one rounding per addition (the bound of the most rows one index has
+    and of the largest such sum)."""
+    sums, counts = {}, {}
+    for row, index in zip(values, indices):
+        sums[index] = sums.get(index, 0.0) + float(np.max(np.abs(row.astype(np.float64))))
+        counts[index] = counts.get(index, 0) + 1
+    most = max(counts.values())
+    return max(sums.values()) > F16_MAX * (1.0 - (most - 1) * F16_ROUNDING)
+
+
+def test_shared_index_sums_follow_the_rule(run_mode):
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import given, strategies as st
+
+    rows, width, count = 4, 2, 4
+    table, opt, step = sparse_setup(run_mode, rows, width)
+    magnitudes = st.sampled_from([0.0, 1.0, 3.0, 1000.0, 16384.0, 30000.0, 32752.0, 32768.0,
+                                  40000.0, 65504.0])
+    signs = st.sampled_from([1.0, -1.0])
+
+    @hypothesis.settings(max_examples=40, deadline=None)
+    @given(st.lists(st.integers(0, rows - 1), min_size=count, max_size=count),
+           st.lists(st.tuples(magnitudes, signs), min_size=count * width,
+                    max_size=count * width))
+    def check(indices, drawn):
+        values = np.array([m * s for m, s in drawn], np.float16).reshape(count, width)
+        table.assign(np.zeros([rows, width], np.float16))
+        before = state(opt, [table])
+        skipped = int(opt.loss_scale.num_skipped_steps.numpy())
+        step(tf.constant(values), tf.constant(indices))
+        after = table.numpy()
+        # Never a non-finite weight; skipped exactly when the rule says so.
+        assert np.all(np.isfinite(after))
+        may_overflow = reference_may_overflow(values, indices)
+        assert int(opt.loss_scale.num_skipped_steps.numpy()) - skipped == int(may_overflow)
+        if may_overflow:
+            assert_same_bits(before, state(opt, [table]))
+            return
+        # Applied: each row's update, the float64 sum within float16 rounding of the adds.
+        want = np.zeros([rows, width])
+        for row, index in zip(values.astype(np.float64), indices):
+            want[index] -= row
+        np.testing.assert_allclose(after.astype(np.float64), want,
+                                   rtol=count * F16_ROUNDING, atol=0)
+
+    check()
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_window_that_would_overflow_drops_the_micro_batch(run_mode, sparse):
+    v = keras.Variable(np.zeros([4], np.float16), dtype="float16", name="v")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0, gradient_accumulation_steps=2),
+                                   tfdls.DynamicLossScale(1.0))
+    opt.build([v])
+
+    @run_mode
+    def step(x):
+        g = tf.fill([4], x)
+        if sparse:
+            g = tf.IndexedSlices(g[:2], tf.constant([0, 1]), tf.constant([4]))
+        opt.apply([g], [v])
+
+    step(tf.constant(40000.0, tf.float16))  # accumulated: 40000
+    before = state(opt, [v])
+    step(tf.constant(40000.0, tf.float16))  # 40000 + 40000 = Inf: dropped (was -inf weights)
+    assert_same_bits(before, state(opt, [v]))
+    assert int(opt.loss_scale.num_skipped_steps.numpy()) == 1
+    assert opt.last_overflow().variable_names == ("v",)
+    step(tf.constant(1.0, tf.float16))  # closes the window: (40000 + 1) / 2 in float16
+    reached = 2 if sparse else 4
+    want = np.zeros([4], np.float16)
+    want[:reached] = -np.float16(np.float16(40001.0) / np.float16(2.0))
+    np.testing.assert_array_equal(v.numpy(), want)
+    accumulator = opt.inner_optimizer._accumulated_gradients[0].numpy()
+    np.testing.assert_array_equal(accumulator, np.zeros([4], np.float16))
+
+
+def test_sum_bounds_of_dense_and_sparse_gradients():
+    dense = tf.constant([[1.0, -7.0]], tf.float16)
+    rows = tf.IndexedSlices(tf.constant([[1.0, -2.0], [3.0, 0.5], [-4.0, 1.0], [0.0, 0.0]]),
+                            tf.constant([2, 0, 2, 2]), tf.constant([3, 2]))
+    empty = tf.IndexedSlices(tf.zeros([0, 2]), tf.zeros([0], tf.int32), tf.constant([3, 2]))
+    bounds, terms = tfdls.finite.sum_bounds([dense, rows, empty])
+    # Index 2: rows 0, 2, 3 -> 2 + 4 + 0; index 0: 3.
+    np.testing.assert_array_equal(bounds.numpy(), [7.0, 6.0, 0.0])
+    np.testing.assert_array_equal(terms.numpy(), [1.0, 3.0, 1.0])
