@@ -912,25 +912,40 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         read exactly, as Keras adds it.
         """
         replicas = _distribute.replicas_in_sync()
-        accumulators = None
-        if getattr(self.inner_optimizer, "gradient_accumulation_steps", None):
-            inner = self.inner_optimizer
-            accumulators = [inner._accumulated_gradients[inner._get_variable_index(v)]
-                            for v in variables]
-        flags = []
+        accumulators = [self._accumulator_of(v) for v in variables]
+        accumulating = [k for k, a in enumerate(accumulators) if a is not None]
+        flags = tf.zeros([len(unscaled)], tf.bool)
+        guarded = False
         if replicas > 1 or any(isinstance(g, tf.IndexedSlices) for g in unscaled):
             extra = None
-            if accumulators is not None and replicas > 1:
+            if accumulating and replicas > 1:
                 # The accumulator is added to the replicas' sum: one more term.
-                extra = [tf.cast(m, tf.float64) for m in finite.largest_magnitudes(
-                    [tf.convert_to_tensor(a) for a in accumulators])]
-            flags.append(finite.sums_may_overflow(unscaled, across_replicas=replicas > 1,
-                                                  extra_bounds=extra))
-        if accumulators is not None and replicas == 1:
-            flags.append(tf.logical_not(finite.accumulated_sums_finite(unscaled, accumulators)))
-        if not flags:
+                zero = tf.constant(0.0, tf.float64)
+                largest = iter(finite.largest_magnitudes(
+                    [tf.convert_to_tensor(accumulators[k]) for k in accumulating]))
+                extra = [zero if a is None else tf.cast(next(largest), tf.float64)
+                         for a in accumulators]
+            flags = finite.sums_may_overflow(unscaled, across_replicas=replicas > 1,
+                                             extra_bounds=extra)
+            guarded = True
+        if accumulating and replicas == 1:
+            bad = tf.logical_not(finite.accumulated_sums_finite(
+                [unscaled[k] for k in accumulating], [accumulators[k] for k in accumulating]))
+            indices = tf.constant([[k] for k in accumulating], tf.int32)
+            flags = tf.logical_or(flags, tf.scatter_nd(
+                indices, tf.cast(bad, tf.float32), [len(unscaled)]) > 0.0)
+            guarded = True
+        return flags if guarded else None
+
+    def _accumulator_of(self, variable):
+        """The inner optimizer's gradient accumulator of `variable` (that of the
+        sub-optimizer updating it, in a `MultiOptimizer`), or None."""
+        inner = self.inner_optimizer
+        if getattr(inner, "_var_to_optimizer_idx", None) is not None:  # MultiOptimizer
+            inner = inner.optimizers[inner._var_to_optimizer_idx[inner._var_key(variable)]]
+        if not getattr(inner, "gradient_accumulation_steps", None):
             return None
-        return flags[0] if len(flags) == 1 else tf.logical_or(flags[0], flags[1])
+        return inner._accumulated_gradients[inner._get_variable_index(variable)]
 
     def _check_with_boundaries(self, grads, present, divisions):
         """Per present gradient: how many replicas saw a non-finite gradient *after* its
