@@ -72,15 +72,15 @@ def test_a_single_row_at_the_largest_value_is_applied(run_mode):
 
 
 def reference_may_overflow(values, indices):
-    """The rule, in plain Python: per index, the sum of the rows' largest magnitudes against
-    the largest value less one rounding per addition (the bound of the most rows one index has
-    and of the largest such sum)."""
+    """The rule, in plain Python: per index, the sum of the rows' largest magnitudes, grown by
+    one rounding per addition, against the largest value (the largest such sum, with the most
+    rows one index has)."""
     sums, counts = {}, {}
     for row, index in zip(values, indices):
         sums[index] = sums.get(index, 0.0) + float(np.max(np.abs(row.astype(np.float64))))
         counts[index] = counts.get(index, 0) + 1
     most = max(counts.values())
-    return max(sums.values()) > F16_MAX * (1.0 - (most - 1) * F16_ROUNDING)
+    return max(sums.values()) * (1.0 + F16_ROUNDING) ** (most - 1) > F16_MAX
 
 
 def test_shared_index_sums_follow_the_rule(run_mode):
@@ -185,3 +185,42 @@ def test_a_multi_optimizer_window_that_would_overflow_drops_the_micro_batch(run_
     step(tf.constant(1.0, tf.float16))
     np.testing.assert_array_equal(a.numpy(), [-2.0, -2.0])
     np.testing.assert_array_equal(b.numpy(), np.full([2], -np.float16(np.float16(40001.0) / 2)))
+
+
+@pytest.mark.parametrize("dtype, rows", [("float16", 2049), ("float16", 20000), ("bfloat16", 300)])
+def test_many_zero_rows_at_one_index_are_applied(run_mode, dtype, rows):
+    # A padding id repeated all over a batch: its rows are zero, no sum can overflow (the
+    # limit once fell to 0 and below at 2049 float16 rows, and every step was skipped).
+    table = keras.Variable(np.zeros([4, 2]), dtype=dtype, name="table")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0), tfdls.DynamicLossScale(1.0))
+    opt.build([table])
+
+    @run_mode
+    def step(values, indices):
+        opt.apply([tf.IndexedSlices(values, indices, tf.constant([4, 2]))], [table])
+
+    values = np.zeros([rows + 1, 2], np.float32)
+    values[-1] = [1.0, 2.0]
+    indices = np.zeros([rows + 1], np.int32)
+    indices[-1] = 3
+    step(tf.constant(values, dtype), tf.constant(indices))
+    assert int(opt.loss_scale.num_skipped_steps.numpy()) == 0
+    np.testing.assert_array_equal(table.numpy().astype(np.float32)[3], [-1.0, -2.0])
+
+
+def test_accumulation_of_an_overwritten_variable_keeps_the_maximum(run_mode):
+    # Keras keeps the micro-batches' maximum for overwrite_with_gradient variables: no sum.
+    w = keras.Variable(np.zeros([2], np.float16), dtype="float16", name="w")
+    w.overwrite_with_gradient = True
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0, gradient_accumulation_steps=2),
+                                   tfdls.DynamicLossScale(1.0))
+    opt.build([w])
+
+    @run_mode
+    def step(g):
+        opt.apply([g], [w])
+
+    step(tf.constant([60000.0, 1.0], tf.float16))
+    step(tf.constant([60000.0, 0.5], tf.float16))
+    assert int(opt.loss_scale.num_skipped_steps.numpy()) == 0
+    np.testing.assert_array_equal(w.numpy(), [60000.0, 1.0])

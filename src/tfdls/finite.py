@@ -244,9 +244,11 @@ def sums_may_overflow(grads: Sequence[Any], across_replicas: bool = False,
             one more term (a gradient accumulator's largest element), or None.
 
     The rule: True where the bound of `sum_bounds` (summed over the
-    replicas) exceeds the dtype's largest value less one rounding per
-    addition. Conservative: a sum that would just fit, or large elements in
-    different places, may be reported; a single dense gradient never is.
+    replicas), grown by one rounding per addition (``(1 + u)**(terms - 1)``,
+    u the dtype's unit roundoff), exceeds the dtype's largest value.
+    Conservative: a sum that would just fit, large elements in different
+    places, or very many terms (float16: ``(1 + 2**-11)**2048`` is about
+    e) may be reported; a single dense gradient and a bound of 0 never are.
 
     Example:
 
@@ -266,8 +268,12 @@ def sums_may_overflow(grads: Sequence[Any], across_replicas: bool = False,
         terms = terms + 1.0
     dtypes = [(g.values if isinstance(g, tf.IndexedSlices) else g).dtype for g in grads]
     largest = tf.constant([_FLOAT_INFO[d][0] for d in dtypes], tf.float64)
-    rounding = tf.constant([2.0 ** -_FLOAT_INFO[d][1] for d in dtypes], tf.float64)
-    limits = largest * (1.0 - (terms - 1.0) * rounding)
+    log_rounding = tf.constant([math.log1p(2.0 ** -_FLOAT_INFO[d][1]) for d in dtypes],
+                               tf.float64)
+    # A sum of n terms, added one by one in any order, is at most (1 + u)**(n - 1) times
+    # the sum of their magnitudes (u: the unit roundoff). As a limit on the bound: no
+    # NaN from inf * 0, and a bound of 0 is never reported, however many terms.
+    limits = largest * tf.exp(-(terms - 1.0) * log_rounding)
     return tf.logical_not(bounds <= limits)  # NaN or Inf: may overflow too
 
 

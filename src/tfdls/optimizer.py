@@ -940,6 +940,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _accumulator_of(self, variable):
         """The inner optimizer's gradient accumulator of `variable` (that of the
         sub-optimizer updating it, in a `MultiOptimizer`), or None."""
+        if getattr(variable, "overwrite_with_gradient", False):
+            return None  # Keras keeps the micro-batches' maximum, not their sum
         inner = self.inner_optimizer
         if getattr(inner, "_var_to_optimizer_idx", None) is not None:  # MultiOptimizer
             inner = inner.optimizers[inner._var_to_optimizer_idx[inner._var_key(variable)]]
