@@ -912,30 +912,37 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         read exactly, as Keras adds it.
         """
         replicas = _distribute.replicas_in_sync()
+        count = len(unscaled)
         accumulators = [self._accumulator_of(v) for v in variables]
         accumulating = [k for k, a in enumerate(accumulators) if a is not None]
-        flags = tf.zeros([len(unscaled)], tf.bool)
-        guarded = False
-        if replicas > 1 or any(isinstance(g, tf.IndexedSlices) for g in unscaled):
+        found = []  # (positions, bool vector over them)
+        # With one replica a dense gradient's elements are applied as they are:
+        # only the IndexedSlices are read again.
+        summed = (list(range(count)) if replicas > 1 else
+                  [k for k, g in enumerate(unscaled) if isinstance(g, tf.IndexedSlices)])
+        if summed:
             extra = None
             if accumulating and replicas > 1:
                 # The accumulator is added to the replicas' sum: one more term.
-                zero = tf.constant(0.0, tf.float64)
                 largest = iter(finite.largest_magnitudes(
                     [tf.convert_to_tensor(accumulators[k]) for k in accumulating]))
-                extra = [zero if a is None else tf.cast(next(largest), tf.float64)
-                         for a in accumulators]
-            flags = finite.sums_may_overflow(unscaled, across_replicas=replicas > 1,
-                                             extra_bounds=extra)
-            guarded = True
+                extra = [tf.constant(0.0, tf.float64) if accumulators[k] is None
+                         else tf.cast(next(largest), tf.float64) for k in summed]
+            found.append((summed, finite.sums_may_overflow(
+                [unscaled[k] for k in summed], across_replicas=replicas > 1,
+                extra_bounds=extra)))
         if accumulating and replicas == 1:
-            bad = tf.logical_not(finite.accumulated_sums_finite(
-                [unscaled[k] for k in accumulating], [accumulators[k] for k in accumulating]))
-            indices = tf.constant([[k] for k in accumulating], tf.int32)
-            flags = tf.logical_or(flags, tf.scatter_nd(
-                indices, tf.cast(bad, tf.float32), [len(unscaled)]) > 0.0)
-            guarded = True
-        return flags if guarded else None
+            found.append((accumulating, tf.logical_not(finite.accumulated_sums_finite(
+                [unscaled[k] for k in accumulating], [accumulators[k] for k in accumulating]))))
+        if not found:
+            return None
+        flags = tf.zeros([count])
+        for positions, bad in found:
+            if positions != list(range(count)):
+                bad = tf.scatter_nd(tf.constant([[k] for k in positions], tf.int32),
+                                    tf.cast(bad, tf.float32), [count])
+            flags = flags + tf.cast(bad, tf.float32)
+        return flags > 0.0
 
     def _accumulator_of(self, variable):
         """The inner optimizer's gradient accumulator of `variable` (that of the
