@@ -194,9 +194,9 @@ def divide_by_power_of_two(grad, exponent, max_exponent: int, pieces=None):
 
     Inside XLA (which does not regroup float multiplies): `grad` times the
     pieces of `reciprocal_pieces` (given, or computed here), fused into one
-    pass. Elsewhere: `divide_in_float64_by_power_of_two`. Subnormal float32
-    and bfloat16 results are flushed to zero on CPUs, as all TensorFlow
-    arithmetic there does.
+    pass. Elsewhere: `divide_in_float64_by_power_of_two`. Subnormal float32,
+    bfloat16 and float64 results are flushed to zero on CPUs, as all
+    TensorFlow arithmetic there does.
     """
     if not _compat.in_xla_context():
         return divide_in_float64_by_power_of_two(grad, exponent)
