@@ -163,7 +163,10 @@ def _steps(draw, dtype, optimizer, contexts=CONTEXTS):
 @st.composite
 def _programs(draw, contexts=CONTEXTS, dtypes=DTYPES, optimizers=EXPORTED, accumulate=True):
     optimizer = draw(st.sampled_from(optimizers))
-    dtype = draw(st.sampled_from(dtypes))
+    # Keras' Muon cannot update float64 variables (the bare optimizer fails in its
+    # lr_adjust: float64 times float32), so there is no contract to check there.
+    dtype = draw(st.sampled_from(
+        [d for d in dtypes if not (optimizer == "Muon" and d == "float64")]))
     kind = draw(st.sampled_from(["dynamic", "dynamic", "subclass", "fixed"]))
     power_of_two = draw(st.booleans())
     if power_of_two:
