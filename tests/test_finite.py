@@ -259,3 +259,59 @@ def test_matvec_check_only_with_strict_float32_matmuls(monkeypatch, variable, va
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(variable, value)
     assert finite.host_only() is strict
+
+
+# -- largest_magnitudes -----------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+_SPECIALS = [0.0, -0.0, float("nan"), float("inf"), -float("inf")]
+
+
+def _largest_reference(values):
+    """The definition, in float64: +inf if any NaN/Inf, else max |x| (0 if empty)."""
+    values = np.asarray(values, np.float64)
+    if values.size and not np.all(np.isfinite(values)):
+        return float("inf")
+    return float(np.max(np.abs(values))) if values.size else 0.0
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: d.name)
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # run_mode only wraps
+@given(data=st.data())
+def test_largest_magnitudes_match_the_definition(dtype, data, run_mode):
+    big, tiny = EXTREMES[dtype]
+    element = st.one_of(
+        st.sampled_from(_SPECIALS + [big, -big, tiny, -tiny]),
+        st.floats(-big, big, allow_nan=False, allow_infinity=False),
+        st.floats(-64 * tiny, 64 * tiny, allow_nan=False, allow_infinity=False),
+    )
+    arrays = data.draw(st.lists(st.lists(element, max_size=7), min_size=1, max_size=4))
+    values = [_tensor(a, dtype) for a in arrays]
+    # What each tensor holds in `dtype` (rounded by NumPy, as _tensor does).
+    held = [_as_float64(v) for v in values]
+
+    found = run_mode(finite.largest_magnitudes)(values)
+
+    for got, exact in zip(found, held):
+        assert got.dtype == dtype
+        want = _largest_reference(exact)
+        got = float(np.asarray(got.numpy()).astype(np.float64))
+        if run_mode.mode != "xla" and 0 < want < np.finfo(dtype.as_numpy_dtype).tiny:
+            # Outside XLA the maximum runs in TensorFlow's CPU kernels, which
+            # compare subnormals as zeros (any of them, or 0, may come out);
+            # the bits inside XLA do not.
+            assert got == 0.0 or got in np.abs(exact), (exact, got)
+        else:
+            assert got == want, (exact, got, want)
+
+
+def test_largest_magnitudes_of_a_tensor_of_unknown_size_under_xla():
+    @tf.function(jit_compile=True, input_signature=[tf.TensorSpec([None], tf.float16)])
+    def largest(value):
+        return finite.largest_magnitudes([value])[0]
+
+    assert float(largest(tf.zeros([0], tf.float16))) == 0.0
+    assert float(largest(_tensor([-3.0, 2.0], tf.float16))) == 3.0
+    assert float(largest(_tensor([1.0, float("nan")], tf.float16))) == float("inf")

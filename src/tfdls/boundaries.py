@@ -58,7 +58,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdls._division import divide_by_power_of_two, power_of_two
+from tfdls import _factor_readings
+from tfdls._division import divide_by_power_of_two
+from tfdls._factor_readings import integer_exponent  # noqa: F401 (part of this module's interface)
 
 # The backward multiply is done in the gradient's own dtype, so a factor must
 # be a power of two float16 holds as a normal number.
@@ -237,10 +239,8 @@ def _identity_scaling_gradient(x, boundary):
         def backward(upstream):
             upstream = _dense(upstream)
             boundary._ownership.backward_calls += 1
-            exponent = boundary.exponent()
-            exponent = tf.where(boundary._ownership.owned, exponent, 0.0)
-            factor = power_of_two(tf.cast(exponent, tf.int32))
-            scaled = _first_order_only(upstream * tf.cast(factor, upstream.dtype), boundary)
+            factor = _factor_readings.factor(boundary, upstream.dtype)
+            scaled = _first_order_only(upstream * factor, boundary)
             seen.add(scaled, (boundary,))
             return scaled
 
@@ -404,24 +404,6 @@ def _first_order_only(gradient, layer):
     return identity(gradient)
 
 
-def integer_exponent(log2_factor, low=-126, high=127):
-    """`log2_factor` as a float32 integer: truncated toward zero, clipped to [low, high],
-    NaN read as `low` (elementwise; the bounds may be arrays of the same shape).
-
-    The one reading of a factor (`ScaleBoundary.exponent`, with the layer's
-    bounds), in the backward pass and in the division alike, so a value
-    assigned by hand (a fraction, a value beyond the bounds, NaN) cannot make
-    them disagree, and the division's exponent keeps its static bound. NaN is
-    replaced before the clip: TensorFlow's and XLA's minimum and maximum treat
-    NaN differently, and their float-to-int casts of NaN differ too.
-    """
-    value = tf.cast(tf.convert_to_tensor(log2_factor), tf.float32)
-    low, high = np.float32(low), np.float32(high)  # scalars, or one bound per element
-    value = tf.where(tf.math.is_nan(value), low, value)
-    value = tf.clip_by_value(value, low, high)
-    return tf.cast(tf.cast(value, tf.int32), tf.float32)  # the cast truncates
-
-
 class _Ownership:
     """Holds the device flag "a LossScaleOptimizer owns this boundary" (not trackable)."""
 
@@ -431,6 +413,8 @@ class _Ownership:
         # Backward passes run (eagerly) or traced so far: a Python count,
         # read by `UnscaledInput` to see that a gradient crossed the boundary.
         self.backward_calls = 0
+        # The boundaries its owner reads together (`_factor_readings`).
+        self.group = None
 
 
 class _SeenBoundaries:
@@ -615,8 +599,10 @@ def take_ownership(boundary_map: "BoundaryMap") -> None:
     an owned boundary multiplies unless it was given that boundary, eagerly
     as well as traced.
     """
+    group = _factor_readings.Group(boundary_map.boundaries)
     for boundary in boundary_map.boundaries:
         boundary._ownership.owned.assign(True)
+        boundary._ownership.group = group
     _mark(boundary_map, _OWNED_ABOVE)
 
 

@@ -145,12 +145,12 @@ def largest_magnitudes(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         values: a list of dense float tensors (see `gradient_values`).
 
     One reading answers both "is it finite?" and "how large is it?", exactly:
-    inside XLA, one fused reduction of ``|x|`` with NaN replaced by +inf
-    first (so the answer never depends on how a maximum treats NaN);
-    elsewhere `finite_flags` decides finiteness and a maximum and a minimum,
-    which only read, give the largest magnitude of a finite tensor. Scaling
-    is monotonic, so ``largest / divisor`` is finite exactly when every
-    element's quotient is (see `LossScaleOptimizer` with scale boundaries).
+    inside XLA, from the bits (`_largest_magnitude_from_bits`: an integer
+    maximum, which no NaN rule affects); elsewhere `finite_flags` decides
+    finiteness and a maximum and a minimum, which only read, give the largest
+    magnitude of a finite tensor. Scaling is monotonic, so ``largest /
+    divisor`` is finite exactly when every element's quotient is (see
+    `LossScaleOptimizer` with scale boundaries).
 
     Example:
 
@@ -160,14 +160,39 @@ def largest_magnitudes(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """
     _check_floating(values)
     if _compat.in_xla_context():
-        return [_floor_at_zero(
-            tf.reduce_max(tf.where(tf.math.is_nan(v), tf.constant(float("inf"), v.dtype),
-                                   tf.abs(v))), v) for v in values]
+        return [_largest_magnitude_from_bits(v) for v in values]
+    # The abs: TensorFlow's CPU kernels compare subnormals as zeros, so the
+    # maximum may pick the negated minimum's negative twin.
     return [
-        tf.where(finite, _floor_at_zero(tf.maximum(tf.reduce_max(v), -tf.reduce_min(v)), v),
+        tf.where(finite,
+                 _floor_at_zero(tf.abs(tf.maximum(tf.reduce_max(v), -tf.reduce_min(v))), v),
                  tf.constant(float("inf"), v.dtype))
         for v, finite in zip(values, tf.unstack(finite_flags(values), len(values)))
     ]
+
+
+# dtype -> (the integer type of its bits, the bits of +inf).
+_BITS = {
+    tf.float16: (tf.int16, 0x7C00),
+    tf.bfloat16: (tf.int16, 0x7F80),
+    tf.float32: (tf.int32, 0x7F800000),
+    tf.float64: (tf.int64, 0x7FF0000000000000),
+}
+
+
+def _largest_magnitude_from_bits(value):
+    # With the sign bit cleared, an IEEE value's bits, read as an integer,
+    # order as its magnitude does, +inf above every finite value and every
+    # NaN above +inf: the largest magnitude is the integer maximum, NaN
+    # clipped to +inf (0 for an empty tensor). XLA's CPU backend vectorizes
+    # an integer maximum; a float one with NaN replaced first is a scalar
+    # loop (measured: about half the time on 28 gradients of a Dense stack).
+    int_type, inf_bits = _BITS[value.dtype]
+    sign_cleared = tf.bitwise.bitwise_and(tf.bitcast(value, int_type),
+                                          tf.constant((1 << (int_type.size * 8 - 1)) - 1, int_type))
+    largest = tf.clip_by_value(tf.reduce_max(sign_cleared), tf.constant(0, int_type),
+                               tf.constant(inf_bits, int_type))
+    return tf.bitcast(largest, value.dtype)
 
 
 def _floor_at_zero(largest, value):

@@ -1,0 +1,129 @@
+"""Reading the scale boundaries' factors in the backward pass: once per group, where exact.
+
+A boundary's factor is ``2**e``, ``e`` its `log2_factor` read as an integer
+within its bounds (`integer_exponent`), and 0 while no optimizer owns it.
+That reading is a dozen TensorFlow operations, and outside XLA each one costs
+about a microsecond to dispatch: a model with a boundary after every layer
+paid it per boundary, in the backward pass. In a traced function the first
+boundary of an optimizer's group to run its backward pass reads the whole
+group's factors as one vector instead, and the others take their element.
+
+The rule, in one sentence: a reading is reused only while the traced graph
+holds no operation, created after it, that takes one of the group's variable
+handles other than to read it (an assignment, or a call of a function, a
+branch or a loop that captured it); otherwise the group is read again. In a
+`tf.function` TensorFlow runs a resource's reads and writes in program order,
+so a reused reading holds the values a new one would read. Eagerly, outside a
+`tf.function` (TF1 graphs order nothing), and for a boundary no optimizer has
+claimed, every boundary reads its own factor.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from tfdls._division import power_of_two
+
+
+def integer_exponent(log2_factor, low=-126, high=127):
+    """`log2_factor` as a float32 integer: truncated toward zero, clipped to [low, high],
+    NaN read as `low` (elementwise; the bounds may be arrays of the same shape).
+
+    The one reading of a factor (`ScaleBoundary.exponent`, with the layer's
+    bounds), in the backward pass and in the division alike, so a value
+    assigned by hand (a fraction, a value beyond the bounds, NaN) cannot make
+    them disagree, and the division's exponent keeps its static bound. NaN is
+    replaced before the clip: TensorFlow's and XLA's minimum and maximum treat
+    NaN differently, and their float-to-int casts of NaN differ too.
+    """
+    value = tf.cast(tf.convert_to_tensor(log2_factor), tf.float32)
+    low, high = np.float32(low), np.float32(high)  # scalars, or one bound per element
+    value = tf.where(tf.math.is_nan(value), low, value)
+    value = tf.clip_by_value(value, low, high)
+    return tf.cast(tf.cast(value, tf.int32), tf.float32)  # the cast truncates
+
+
+def owned_exponents(log2_factors, owned, low, high):
+    """The exponents the backward pass multiplies by: `integer_exponent` where `owned`, else 0."""
+    return tf.where(owned, integer_exponent(log2_factors, low, high), 0.0)
+
+
+def factor(boundary, dtype):
+    """`boundary`'s factor for this backward pass, a scalar of `dtype` (see the module docstring)."""
+    group = boundary._ownership.group
+    if group is None or tf.executing_eagerly():
+        return _read_one(boundary, dtype)
+    graph = tf.compat.v1.get_default_graph()
+    if not getattr(graph, "building_function", False):
+        return _read_one(boundary, dtype)
+    try:
+        # Under a distribution strategy these are the replica's own copies.
+        handles = tuple(v.handle for b in group.boundaries
+                        for v in (b.log2_factor, b._ownership.owned))
+    except (ValueError, AttributeError):  # no replica's copy here: cross-replica context
+        return _read_one(boundary, dtype)
+    readings = _readings.setdefault(graph, {})
+    key = (id(group), tuple(id(h) for h in handles))
+    reading = readings.get(key)
+    if reading is None or not reading.reusable(group, handles):
+        reading = _GroupReading(group, handles)
+        readings[key] = reading
+    return reading.factor(boundary, dtype)
+
+
+class Group:
+    """The boundaries one optimizer owns: read together in the backward pass."""
+
+    def __init__(self, boundaries):
+        self.boundaries = tuple(boundaries)
+        self.index = {id(b): k for k, b in enumerate(self.boundaries)}
+        self.low = np.array([b.min_log2_factor for b in self.boundaries], np.float32)
+        self.high = np.array([b.max_log2_factor for b in self.boundaries], np.float32)
+
+
+# graph -> {(group, handles): _GroupReading}; weak, so a released graph takes its readings along.
+_readings = weakref.WeakKeyDictionary()
+
+
+class _GroupReading:
+    """One reading of a group's variables in the current graph, and its factors per dtype."""
+
+    def __init__(self, group, handles):
+        self.group = group
+        self.handles = handles
+        reads = [tf.raw_ops.ReadVariableOp(resource=h, dtype=h_dtype)
+                 for h, h_dtype in zip(handles, _dtypes(group))]
+        # The variables' handles as this graph holds them (captured or passed in).
+        self.graph_handles = [r.op.inputs[0] for r in reads]
+        self.created = max(r.op._id for r in reads)
+        exponents = owned_exponents(tf.stack(reads[0::2]), tf.stack(reads[1::2]),
+                                    group.low, group.high)
+        self.factors = power_of_two(tf.cast(exponents, tf.int32))
+        self.by_dtype = {}
+
+    def reusable(self, group, handles):
+        if self.group is not group or any(a is not b for a, b in zip(self.handles, handles)):
+            return False
+        return not any(op._id > self.created and op.type != "ReadVariableOp"
+                       for handle in self.graph_handles for op in handle.consumers())
+
+    def factor(self, boundary, dtype):
+        if dtype not in self.by_dtype:
+            self.by_dtype[dtype] = tf.unstack(tf.cast(self.factors, dtype),
+                                              len(self.group.boundaries))
+        return self.by_dtype[dtype][self.group.index[id(boundary)]]
+
+
+def _dtypes(group):
+    for _ in group.boundaries:
+        yield tf.float32
+        yield tf.bool
+
+
+def _read_one(boundary, dtype):
+    exponent = owned_exponents(boundary.log2_factor.value, boundary._ownership.owned,
+                               boundary.min_log2_factor, boundary.max_log2_factor)
+    return tf.cast(power_of_two(tf.cast(exponent, tf.int32)), dtype)
