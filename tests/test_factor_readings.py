@@ -188,8 +188,9 @@ def _run(program, mode):
             elif kind == "assign_add":
                 layers[action[1]].log2_factor.assign_add(action[2])
             elif kind == "read_only":
-                gradients.append(tf.ones_like(kernel) * tf.add_n(
-                    [layer.log2_factor.value for layer in layers]) * 0.0)
+                # Reads the factors (an operation that must not end a reading).
+                read = tf.add_n([layer.log2_factor.value for layer in layers])
+                gradients.append(tf.zeros_like(kernel) * tf.cast(tf.math.is_nan(read), tf.float32))
             elif kind == "optimizer_step":
                 # All-zero gradients: an applied step that changes no weight, and,
                 # on its first step, the factors' headroom adjustment.
@@ -276,3 +277,23 @@ def test_group_is_set_by_ownership():
     assert len(groups) == 1
     assert tfdls.ScaleBoundary()._ownership.group is None
     assert _factor_readings.integer_exponent(float("nan"), -2, 3).numpy() == -2.0
+
+
+def test_ownership_taken_inside_a_trace_is_set_at_once():
+    # A group's reading skips the ownership flags: joining a group must set
+    # the flag now, not when (or if) the traced function runs.
+    from tfdls import boundaries as boundaries_lib
+
+    model = keras.Sequential([keras.Input((3,)), tfdls.UnscaledInput(), keras.layers.Dense(3),
+                              tfdls.ScaleBoundary(), keras.layers.Dense(1)])
+    boundary_map = boundaries_lib.read_boundaries(model)
+
+    @tf.function
+    def claim():
+        boundaries_lib.take_ownership(boundary_map)
+        return tf.constant(0)
+
+    claim.get_concrete_function()  # traced, never run
+    boundary = boundaries_of(model)[0]
+    assert boundary._ownership.group is not None
+    assert bool(boundary._ownership.owned.numpy())

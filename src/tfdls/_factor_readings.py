@@ -16,6 +16,10 @@ branch or a loop that captured it); otherwise the group is read again. In a
 so a reused reading holds the values a new one would read. Eagerly, outside a
 `tf.function` (TF1 graphs order nothing), and for a boundary no optimizer has
 claimed, every boundary reads its own factor.
+
+A group's reading does not read the ownership flags: a boundary joins a group
+only in `boundaries.take_ownership`, which sets its flag at the same moment
+(eagerly), and nothing ever clears a flag, so every member is owned.
 """
 
 from __future__ import annotations
@@ -61,8 +65,7 @@ def factor(boundary, dtype):
         return _read_one(boundary, dtype)
     try:
         # Under a distribution strategy these are the replica's own copies.
-        handles = tuple(v.handle for b in group.boundaries
-                        for v in (b.log2_factor, b._ownership.owned))
+        handles = tuple(b.log2_factor.handle for b in group.boundaries)
     except (ValueError, AttributeError):  # no replica's copy here: cross-replica context
         return _read_one(boundary, dtype)
     readings = _readings.setdefault(graph, {})
@@ -94,13 +97,11 @@ class _GroupReading:
     def __init__(self, group, handles):
         self.group = group
         self.handles = handles
-        reads = [tf.raw_ops.ReadVariableOp(resource=h, dtype=h_dtype)
-                 for h, h_dtype in zip(handles, _dtypes(group))]
+        reads = [tf.raw_ops.ReadVariableOp(resource=h, dtype=tf.float32) for h in handles]
         # The variables' handles as this graph holds them (captured or passed in).
         self.graph_handles = [r.op.inputs[0] for r in reads]
         self.created = max(r.op._id for r in reads)
-        exponents = owned_exponents(tf.stack(reads[0::2]), tf.stack(reads[1::2]),
-                                    group.low, group.high)
+        exponents = integer_exponent(tf.stack(reads), group.low, group.high)
         self.factors = power_of_two(tf.cast(exponents, tf.int32))
         self.by_dtype = {}
 
@@ -115,12 +116,6 @@ class _GroupReading:
             self.by_dtype[dtype] = tf.unstack(tf.cast(self.factors, dtype),
                                               len(self.group.boundaries))
         return self.by_dtype[dtype][self.group.index[id(boundary)]]
-
-
-def _dtypes(group):
-    for _ in group.boundaries:
-        yield tf.float32
-        yield tf.bool
 
 
 def _read_one(boundary, dtype):

@@ -601,7 +601,8 @@ def take_ownership(boundary_map: "BoundaryMap") -> None:
     """
     group = _factor_readings.Group(boundary_map.boundaries)
     for boundary in boundary_map.boundaries:
-        boundary._ownership.owned.assign(True)
+        with tf.init_scope():  # now, even inside a trace: a group's members are owned
+            boundary._ownership.owned.assign(True)
         boundary._ownership.group = group
     _mark(boundary_map, _OWNED_ABOVE)
 
