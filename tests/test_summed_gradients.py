@@ -52,7 +52,9 @@ def test_rows_of_one_index_that_could_overflow_skip_the_step(run_mode):
          tf.constant([3, 3, 5]))
     assert_same_bits(before, state(opt, [table]))
     assert int(opt.loss_scale.num_skipped_steps.numpy()) == 1
-    assert opt.last_overflow().variable_names == ("table",)
+    report = opt.last_overflow()
+    assert (report.variable_names, report.sum_overflow_names) == ((), ("table",))
+    assert f"sums of finite gradients could overflow for table;" in str(report)
     # Rows that fit once added are applied, as the bare optimizer applies them.
     step(tf.constant([[30000.0, 1.0], [30000.0, 1.0], [1.0, 1.0]], tf.float16),
          tf.constant([3, 3, 5]))
@@ -142,7 +144,9 @@ def test_a_window_that_would_overflow_drops_the_micro_batch(run_mode, sparse):
     step(tf.constant(40000.0, tf.float16))  # 40000 + 40000 = Inf: dropped (was -inf weights)
     assert_same_bits(before, state(opt, [v]))
     assert int(opt.loss_scale.num_skipped_steps.numpy()) == 1
-    assert opt.last_overflow().variable_names == ("v",)
+    report = opt.last_overflow()
+    assert (report.variable_names, report.sum_overflow_names) == ((), ("v",))
+    assert f"sums of finite gradients could overflow for v;" in str(report)
     step(tf.constant(1.0, tf.float16))  # closes the window: (40000 + 1) / 2 in float16
     reached = 2 if sparse else 4
     want = np.zeros([4], np.float16)
@@ -183,7 +187,9 @@ def test_a_multi_optimizer_window_that_would_overflow_drops_the_micro_batch(run_
     before = state(opt, [a, b])
     step(tf.constant(40000.0, tf.float16))  # b's window: 40000 + 40000 = Inf
     assert_same_bits(before, state(opt, [a, b]))
-    assert opt.last_overflow().variable_names == ("b",)
+    report = opt.last_overflow()
+    assert (report.variable_names, report.sum_overflow_names) == ((), ("b",))
+    assert f"sums of finite gradients could overflow for b;" in str(report)
     step(tf.constant(1.0, tf.float16))
     np.testing.assert_array_equal(a.numpy(), [-2.0, -2.0])
     np.testing.assert_array_equal(b.numpy(), np.full([2], -np.float16(np.float16(40001.0) / 2)))
@@ -230,3 +236,44 @@ def test_accumulation_of_an_overwritten_variable_keeps_the_maximum(run_mode):
     assert int(opt.loss_scale.num_skipped_steps.numpy()) == 0
     np.testing.assert_array_equal(w.numpy(), [60000.0, 1.0])
     np.testing.assert_array_equal(u.numpy(), [-1.0, -1.0])
+
+
+def test_report_keeps_non_finite_gradients_and_overflowing_sums_apart(run_mode):
+    # One step, both causes: a NaN gradient for `bad`, finite rows of `table`
+    # that could overflow once added. The next skip has a NaN only: the sums'
+    # record of the earlier step must not show up in its report.
+    table = keras.Variable(np.zeros([4, 2], np.float16), name="table")
+    bad = keras.Variable(np.zeros([2], np.float16), name="bad")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0), tfdls.DynamicLossScale(1.0))
+    opt.build([table, bad])
+
+    def apply(rows, indices, other):
+        opt.apply([tf.IndexedSlices(rows, indices, tf.constant([4, 2])), other], [table, bad])
+
+    step = run_mode(apply)
+    big = tf.constant([[40000.0, 1.0], [40000.0, 1.0]], tf.float16)
+    small = tf.constant([[1.0, 1.0], [1.0, 1.0]], tf.float16)
+    nan = tf.constant([float("nan"), 1.0], tf.float16)
+    finite = tf.constant([1.0, 1.0], tf.float16)
+    step(big, tf.constant([2, 2]), nan)
+    report = opt.last_overflow()
+    assert (report.variable_names, report.sum_overflow_names) == (("bad",), ("table",))
+    assert "non-finite gradients for bad; sums of finite gradients could overflow for table;" \
+        in str(report)
+    step(small, tf.constant([2, 2]), finite)  # applies
+    step(small, tf.constant([2, 2]), nan)
+    report = opt.last_overflow()
+    assert (report.step, report.variable_names, report.sum_overflow_names) == (2, ("bad",), ())
+
+
+def test_stuck_warning_names_a_variable_whose_sums_could_overflow():
+    table = keras.Variable(np.zeros([4, 2], np.float16), name="table")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0),
+                                   tfdls.DynamicLossScale(1.0, min_loss_scale=1.0),
+                                   min_scale_policy="raise")
+    opt.build([table])
+    rows = tf.constant([[40000.0, 1.0], [40000.0, 1.0]], tf.float16)
+    opt.apply([tf.IndexedSlices(rows, tf.constant([1, 1]), tf.constant([4, 2]))], [table])
+    with pytest.raises(tfdls.LossScaleStuckError,
+                       match=r"for: table \(finite; a sum of it could overflow\)"):
+        opt.check_min_scale_policy()

@@ -870,6 +870,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             # A step whose sums could overflow is skipped too (names its
             # variables), whatever a custom scale decided.
             sum_may_overflow = tf.reduce_any(may_overflow)
+            nonfinite_counts = counts
             counts = counts + tf.cast(may_overflow, tf.float32)
         global_shrinks = None
         if custom:
@@ -885,11 +886,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 )
             loss_scale.update_from_decision(is_finite, shrink=global_shrinks)
         num_variables = len(self._trainable_variables)
-        if positions == list(range(num_variables)):
-            mask = counts > 0
-        else:
+
+        def over_all_variables(flags):  # a bool vector over `present` -> over every variable
+            if positions == list(range(num_variables)):
+                return flags
             indices = tf.constant(positions, tf.int32, shape=[len(positions), 1])
-            mask = tf.scatter_nd(indices, counts, [num_variables]) > 0
+            return tf.scatter_nd(indices, tf.cast(flags, tf.float32), [num_variables]) > 0
+
+        sum_mask = None
+        if may_overflow is None:
+            mask = over_all_variables(counts > 0)
+        else:
+            # Reported apart: finite gradients whose sums could overflow.
+            mask = over_all_variables(nonfinite_counts > 0)
+            sum_mask = over_all_variables(tf.logical_and(may_overflow, nonfinite_counts == 0))
         min_loss_scale = getattr(loss_scale, "min_loss_scale", None)
         if min_loss_scale is None:
             stuck = tf.constant(False)
@@ -897,7 +907,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             stuck = tf.logical_and(tf.logical_not(is_finite), scale <= min_loss_scale)
             if global_shrinks is not None:
                 stuck = tf.logical_and(stuck, global_shrinks)
-        self._overflow.record(is_finite, mask, tf.cast(self.iterations, tf.int64), stuck)
+        self._overflow.record(is_finite, mask, tf.cast(self.iterations, tf.int64), stuck,
+                              sum_mask)
         return is_finite
 
     def _sums_may_overflow(self, unscaled, variables):

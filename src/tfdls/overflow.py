@@ -57,7 +57,7 @@ class OverflowReport:
             ones included (the batch axis of `fit` and TensorBoard, for a
             record that began with the run).
         variable_names: paths of the variables whose gradients held NaN/Inf
-            (on any replica).
+            (on any replica), or, once divided, overflowed.
         loss_scale: the scale after the step's update.
         num_skipped_steps: total skipped steps so far.
         headroom_bits: with ``gradient_stats=True``, the headroom (in bits,
@@ -68,6 +68,10 @@ class OverflowReport:
         boundaries: with scale boundaries, the `tfdls.ScaleBoundary` layers
             that lowered their factor for this overflow (empty where the
             global loss scale shrank alone).
+        sum_overflow_names: paths of the variables whose gradients were
+            finite but a sum the inner optimizer forms of them could overflow
+            (the replicas' sum, rows of one index of a `tf.IndexedSlices`,
+            the accumulated gradient of ``gradient_accumulation_steps``).
 
     Example:
 
@@ -85,12 +89,17 @@ class OverflowReport:
     headroom_bits: tuple[float, ...] = ()
     applied_steps: int | None = None
     boundaries: tuple[str, ...] = ()
+    sum_overflow_names: tuple[str, ...] = ()
 
     def __str__(self):
         names = ", ".join(self.variable_names) or "(none recorded)"
+        causes = f"non-finite gradients for {names}"
+        if self.sum_overflow_names:
+            sums = f"sums of finite gradients could overflow for {', '.join(self.sum_overflow_names)}"
+            causes = f"{causes}; {sums}" if self.variable_names else sums
         applied = "" if self.applied_steps is None else f" ({self.applied_steps} updates applied)"
         return (
-            f"step {self.step}{applied}: non-finite gradients for {names}; loss scale now "
+            f"step {self.step}{applied}: {causes}; loss scale now "
             f"{self.loss_scale:g}, {self.num_skipped_steps} steps skipped in total"
             + _headroom_text(self.variable_names, self.headroom_bits)
             + (f"; scale boundaries lowered: {', '.join(self.boundaries)}" if self.boundaries else "")
@@ -183,8 +192,15 @@ class OverflowRecord(tf.Module):
         self.last_applied_steps = state_variable("last_overflow_applied_steps", -1, tf.int64)
         self.stuck_overflows = state_variable("stuck_overflows", 0, tf.int64)
         self._stuck_overflows_seen = 0
+        # Variables whose finite gradients' sums could overflow, and the step
+        # that wrote them: written only by steps that form such sums, so a
+        # report shows them only if they are the last skipped step's.
+        self.sum_mask = state_variable(
+            "sum_overflow_mask", np.zeros([len(self.variable_names)], np.bool_), tf.bool
+        )
+        self.sum_step = state_variable("sum_overflow_step", -1, tf.int64)
 
-    def record(self, is_finite, nonfinite_mask, applied_steps, stuck):
+    def record(self, is_finite, nonfinite_mask, applied_steps, stuck, sum_mask=None):
         """In-step, branch-free: counts the step; records a skipped step's attribution.
 
         Args:
@@ -194,11 +210,17 @@ class OverflowRecord(tf.Module):
             applied_steps: the optimizer's iterations (int64 scalar).
             stuck: scalar bool: the step overflowed with the scale at its
                 minimum.
+            sum_mask: None where the inner optimizer forms no sums of the
+                gradients, else a bool vector over `variable_names`: whose
+                finite gradients' sums could overflow (not in `nonfinite_mask`).
         """
         step = tf.convert_to_tensor(self.steps)
         self.steps.assign(step + 1)
         if self.attribution:
             self.mask.assign(tf.where(is_finite, self.mask, nonfinite_mask))
+            if sum_mask is not None:
+                self.sum_mask.assign(tf.where(is_finite, self.sum_mask, sum_mask))
+                self.sum_step.assign(tf.where(is_finite, self.sum_step, step))
         self.last_step.assign(tf.where(is_finite, self.last_step, step))
         self.last_applied_steps.assign(
             tf.where(is_finite, self.last_applied_steps, applied_steps)
@@ -213,6 +235,9 @@ class OverflowRecord(tf.Module):
         if step < 0:
             return None
         names = names_from_mask(self.mask.numpy(), self.variable_names)
+        sums = ()
+        if int(self.sum_step.numpy()) == step:
+            sums = names_from_mask(self.sum_mask.numpy(), self.variable_names)
         return OverflowReport(
             step=step,
             variable_names=names,
@@ -220,6 +245,7 @@ class OverflowRecord(tf.Module):
             num_skipped_steps=int(num_skipped_steps),
             headroom_bits=self._headroom(names),
             applied_steps=int(self.last_applied_steps.numpy()),
+            sum_overflow_names=sums,
         )
 
     def _headroom(self, names):
@@ -234,5 +260,11 @@ class OverflowRecord(tf.Module):
         if stuck <= self._stuck_overflows_seen:
             return
         self._stuck_overflows_seen = stuck
+        step = int(self.last_step.numpy())
         names = names_from_mask(self.mask.numpy(), self.variable_names)
-        self.policy(int(self.last_step.numpy()), names, min_loss_scale, self._headroom(names))
+        headroom = self._headroom(names)
+        if int(self.sum_step.numpy()) == step:
+            names += tuple(f"{name} (finite; a sum of it could overflow)"
+                           for name in names_from_mask(self.sum_mask.numpy(), self.variable_names))
+            headroom = ()  # quoted per non-finite name only
+        self.policy(step, names, min_loss_scale, headroom)
