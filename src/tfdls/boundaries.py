@@ -111,7 +111,8 @@ class ScaleBoundary(keras.layers.Layer):
     (``scale_boundaries=model`` or `set_scale_boundaries`); otherwise, as in
     a freshly loaded model or with any other optimizer, it is an identity
     both ways, so nothing else ever sees a scaled gradient. Ownership is a
-    device flag, read when the backward pass runs, not when it is traced.
+    device flag, read when the backward pass runs, not when it is traced;
+    once owned, a boundary stays owned (nothing clears the flag).
 
     No host read and no branch: both outcomes are computed and selected.
 
@@ -214,7 +215,9 @@ class ScaleBoundary(keras.layers.Layer):
     def exponent(self):
         """This step's exponent: `log2_factor` read as `integer_exponent` within this
         layer's bounds (a float32 scalar tensor). The one reading of the factor: the
-        backward pass, the optimizer's division and `UnscaledInput` all use it."""
+        backward pass, the optimizer's division and `UnscaledInput` all use it (a
+        traced backward pass reads an optimizer's boundaries together, elementwise
+        the same: `tfdls._factor_readings`)."""
         return integer_exponent(self.log2_factor.value, self.min_log2_factor,
                                 self.max_log2_factor)
 
