@@ -279,21 +279,31 @@ def test_group_is_set_by_ownership():
     assert _factor_readings.integer_exponent(float("nan"), -2, 3).numpy() == -2.0
 
 
-def test_ownership_taken_inside_a_trace_is_set_at_once():
-    # A group's reading skips the ownership flags: joining a group must set
-    # the flag now, not when (or if) the traced function runs.
-    from tfdls import boundaries as boundaries_lib
+def test_an_exported_owned_model_never_carries_a_factor(tmp_path):
+    # A SavedModel traces the boundaries' backward passes. The group's reading
+    # must not let it save a gradient times 2**e that nobody divides out: the
+    # export fails on the untracked ownership flag (as it does through each
+    # boundary's own), or the loaded model's gradient is the plain one.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((2,), dtype="int32"), keras.layers.Embedding(5, 3, name="emb"),
+        keras.layers.Flatten(), keras.layers.Dense(3, name="d1"),
+        tfdls.ScaleBoundary(initial_log2_factor=3, name="b0"), keras.layers.Dense(1, name="d2")])
+    tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1), scale_boundaries=model)
+    x = tf.constant([[1, 2]])
+    path = str(tmp_path / "exported")
+    try:
+        model.export(path, verbose=False)
+    except (KeyError, ValueError) as error:
+        assert "owned" in str(error)
+        return
+    loaded = tf.saved_model.load(path)
+    with tf.GradientTape() as tape:
+        out = tf.reduce_sum(loaded.serve(x))
+    kernel = [v for v in tape.watched_variables() if v.shape == (6, 3)][0]
+    got = tape.gradient(out, kernel)
+    model.get_layer("b0").log2_factor.assign(0.0)
+    with tf.GradientTape() as tape:
+        out = tf.reduce_sum(model(x))
+    np.testing.assert_array_equal(got.numpy(), tape.gradient(out, model.get_layer("d1").kernel))
 
-    model = keras.Sequential([keras.Input((3,)), tfdls.UnscaledInput(), keras.layers.Dense(3),
-                              tfdls.ScaleBoundary(), keras.layers.Dense(1)])
-    boundary_map = boundaries_lib.read_boundaries(model)
-
-    @tf.function
-    def claim():
-        boundaries_lib.take_ownership(boundary_map)
-        return tf.constant(0)
-
-    claim.get_concrete_function()  # traced, never run
-    boundary = boundaries_of(model)[0]
-    assert boundary._ownership.group is not None
-    assert bool(boundary._ownership.owned.numpy())

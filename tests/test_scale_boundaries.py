@@ -1220,3 +1220,28 @@ def test_the_check_names_the_overflowing_variables_with_mixed_dtypes(hypothesis,
             assert sorted(optimizer.last_overflow().variable_names) == sorted(bad)
 
     check()
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_batch_without_ids_is_applied(jit_compile):
+    # The Embedding's gradient is an IndexedSlices with no rows, of a size
+    # unknown when traced: its largest magnitude is 0, and the step applies
+    # (a replica's empty last batch under MirroredStrategy is the same case).
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((), dtype="int32")
+    h = keras.layers.Dense(4, name="d0")(keras.layers.Embedding(10, 4, name="emb")(ids))
+    h = tfdls.ScaleBoundary(initial_log2_factor=2, name="b0")(h)
+    model = keras.Model(ids, keras.layers.Dense(1, name="d1")(h))
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1), tfdls.DynamicLossScale(2.0**10),
+                                   scale_boundaries=model, jit_compile=jit_compile)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.int32)])
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = opt.scale_loss(tf.reduce_sum(model(x)))
+        opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+    step(tf.constant([1, 2], tf.int32))
+    step(tf.constant([], tf.int32))
+    assert int(opt.loss_scale.num_skipped_steps.numpy()) == 0
+    assert int(opt.iterations.numpy()) == 2

@@ -17,9 +17,14 @@ so a reused reading holds the values a new one would read. Eagerly, outside a
 `tf.function` (TF1 graphs order nothing), and for a boundary no optimizer has
 claimed, every boundary reads its own factor.
 
-A group's reading does not read the ownership flags: a boundary joins a group
-only in `boundaries.take_ownership`, which sets its flag at the same moment
-(eagerly), and nothing ever clears a flag, so every member is owned.
+A group's reading reads one ownership flag for the whole group (`Group.owned`)
+instead of each member's: a boundary joins a group only in
+`boundaries.take_ownership`, which sets its own flag at the same moment
+(eagerly) and makes the group's flag true, and nothing clears a flag, so they
+agree. Like the members' flags, the group's is not saved with the model: a
+loaded model starts unowned, and a SavedModel cannot capture a traced backward
+pass of an owned model (export fails, rather than save a gradient that
+carries factors nobody divides out).
 """
 
 from __future__ import annotations
@@ -65,16 +70,16 @@ def factor(boundary, dtype):
         return _read_one(boundary, dtype)
     try:
         # Under a distribution strategy these are the replica's own copies.
-        handles = tuple(b.log2_factor.handle for b in group.boundaries)
+        handles = tuple(b.log2_factor.handle for b in group.boundaries) + (group.owned.handle,)
     except (ValueError, AttributeError):  # no replica's copy here: cross-replica context
         return _read_one(boundary, dtype)
     readings = _readings.setdefault(graph, {})
     key = (id(group), tuple(id(h) for h in handles))
     reading = readings.get(key)
-    if reading is None or not reading.reusable(group, handles):
+    if reading is None or not reading.reusable(graph, group, handles):
         reading = _GroupReading(group, handles)
         readings[key] = reading
-    return reading.factor(boundary, dtype)
+    return reading.factor(graph, boundary, dtype)
 
 
 class Group:
@@ -85,9 +90,12 @@ class Group:
         self.index = {id(b): k for k, b in enumerate(self.boundaries)}
         self.low = np.array([b.min_log2_factor for b in self.boundaries], np.float32)
         self.high = np.array([b.max_log2_factor for b in self.boundaries], np.float32)
+        with tf.init_scope():  # now, even inside a trace; not tracked, so never saved
+            self.owned = tf.Variable(True, trainable=False, name="group_owned")
 
 
-# graph -> {(group, handles): _GroupReading}; weak, so a released graph takes its readings along.
+# graph -> {(group, handles): _GroupReading}. A reading names its graph's
+# tensors instead of holding them, so a released graph takes its entry along.
 _readings = weakref.WeakKeyDictionary()
 
 
@@ -97,25 +105,28 @@ class _GroupReading:
     def __init__(self, group, handles):
         self.group = group
         self.handles = handles
-        reads = [tf.raw_ops.ReadVariableOp(resource=h, dtype=tf.float32) for h in handles]
+        reads = [tf.raw_ops.ReadVariableOp(resource=h, dtype=tf.float32) for h in handles[:-1]]
+        owned = tf.raw_ops.ReadVariableOp(resource=handles[-1], dtype=tf.bool)
+        reads.append(owned)
         # The variables' handles as this graph holds them (captured or passed in).
-        self.graph_handles = [r.op.inputs[0] for r in reads]
+        self.graph_handles = [r.op.inputs[0].name for r in reads]
         self.created = max(r.op._id for r in reads)
-        exponents = integer_exponent(tf.stack(reads), group.low, group.high)
-        self.factors = power_of_two(tf.cast(exponents, tf.int32))
-        self.by_dtype = {}
+        exponents = owned_exponents(tf.stack(reads[:-1]), owned, group.low, group.high)
+        self.factors = power_of_two(tf.cast(exponents, tf.int32)).name
+        self.by_dtype = {}  # dtype -> the names of the factors in that dtype
 
-    def reusable(self, group, handles):
+    def reusable(self, graph, group, handles):
         if self.group is not group or any(a is not b for a, b in zip(self.handles, handles)):
             return False
         return not any(op._id > self.created and op.type != "ReadVariableOp"
-                       for handle in self.graph_handles for op in handle.consumers())
+                       for name in self.graph_handles
+                       for op in graph.get_tensor_by_name(name).consumers())
 
-    def factor(self, boundary, dtype):
+    def factor(self, graph, boundary, dtype):
         if dtype not in self.by_dtype:
-            self.by_dtype[dtype] = tf.unstack(tf.cast(self.factors, dtype),
-                                              len(self.group.boundaries))
-        return self.by_dtype[dtype][self.group.index[id(boundary)]]
+            factors = tf.cast(graph.get_tensor_by_name(self.factors), dtype)
+            self.by_dtype[dtype] = [t.name for t in tf.unstack(factors, len(self.group.boundaries))]
+        return graph.get_tensor_by_name(self.by_dtype[dtype][self.group.index[id(boundary)]])
 
 
 def _read_one(boundary, dtype):

@@ -150,7 +150,9 @@ def largest_magnitudes(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     finiteness and a maximum and a minimum, which only read, give the largest
     magnitude of a finite tensor. Scaling is monotonic, so ``largest /
     divisor`` is finite exactly when every element's quotient is (see
-    `LossScaleOptimizer` with scale boundaries).
+    `LossScaleOptimizer` with scale boundaries). Outside XLA, TensorFlow's CPU
+    kernels compare subnormals as zeros: a tensor whose largest magnitude is
+    subnormal may read as any of its subnormal magnitudes, or 0.
 
     Example:
 
@@ -161,11 +163,12 @@ def largest_magnitudes(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     _check_floating(values)
     if _compat.in_xla_context():
         return [_largest_magnitude_from_bits(v) for v in values]
-    # The abs: TensorFlow's CPU kernels compare subnormals as zeros, so the
-    # maximum may pick the negated minimum's negative twin.
+    # The abs, after the floor (an empty tensor's -inf must read 0): TensorFlow's
+    # CPU kernels compare subnormals as zeros, so the maximum may pick the
+    # negated minimum's negative twin.
     return [
         tf.where(finite,
-                 _floor_at_zero(tf.abs(tf.maximum(tf.reduce_max(v), -tf.reduce_min(v))), v),
+                 tf.abs(_floor_at_zero(tf.maximum(tf.reduce_max(v), -tf.reduce_min(v)), v)),
                  tf.constant(float("inf"), v.dtype))
         for v, finite in zip(values, tf.unstack(finite_flags(values), len(values)))
     ]
