@@ -90,7 +90,8 @@ class Group:
         self.index = {id(b): k for k, b in enumerate(self.boundaries)}
         self.low = np.array([b.min_log2_factor for b in self.boundaries], np.float32)
         self.high = np.array([b.max_log2_factor for b in self.boundaries], np.float32)
-        with tf.init_scope():  # now, even inside a trace; not tracked, so never saved
+        with tf.init_scope():
+            # Not tracked, so never saved (see the module docstring).
             self.owned = tf.Variable(True, trainable=False, name="group_owned")
 
 

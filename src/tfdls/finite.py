@@ -148,9 +148,9 @@ def largest_magnitudes(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     inside XLA, from the bits (`_largest_magnitude_from_bits`: an integer
     maximum, which no NaN rule affects) or, for large float32/float64
     tensors, one fused reduction of ``|x|`` with NaN replaced by +inf first
-    (so the answer never depends on how a maximum treats NaN); elsewhere `finite_flags` decides
-    finiteness and a maximum and a minimum, which only read, give the largest
-    magnitude of a finite tensor. Scaling is monotonic, so ``largest /
+    (so the answer never depends on how a maximum treats NaN); elsewhere
+    `finite_flags` decides finiteness and a maximum and a minimum, which only
+    read, give the largest magnitude of a finite tensor. Scaling is monotonic, so ``largest /
     divisor`` is finite exactly when every element's quotient is (see
     `LossScaleOptimizer` with scale boundaries). Outside XLA, TensorFlow's CPU
     kernels compare subnormals as zeros: a tensor whose largest magnitude is
