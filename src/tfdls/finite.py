@@ -152,9 +152,10 @@ def largest_magnitudes(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     `finite_flags` decides finiteness and a maximum and a minimum, which only
     read, give the largest magnitude of a finite tensor. Scaling is monotonic, so ``largest /
     divisor`` is finite exactly when every element's quotient is (see
-    `LossScaleOptimizer` with scale boundaries). Outside XLA, TensorFlow's CPU
-    kernels compare subnormals as zeros: a tensor whose largest magnitude is
-    subnormal may read as any of its subnormal magnitudes, or 0.
+    `LossScaleOptimizer` with scale boundaries). Float maxima on CPUs compare
+    subnormals as zeros (outside XLA, and XLA's float form): a tensor whose
+    largest magnitude is subnormal may read as any of its subnormal
+    magnitudes, or 0.
 
     Example:
 
