@@ -1,6 +1,6 @@
 """The check and the statistics read an Embedding gradient's rows, never its dense shape.
 
-A `tf.IndexedSlices` gradient of a 10,000,000 x 8 table (305 MiB in float32)
+A `tf.IndexedSlices` gradient of a 20,000,000 x 8 table (610 MiB in float32)
 with 4,096 looked-up rows: tfdls' step (finiteness check, gradient
 statistics, masked update) may not grow the process' peak memory by more
 than a quarter of the table beyond what the bare optimizer's step grows it.
@@ -9,7 +9,11 @@ too, to show that the measurement sees a densified gradient.
 
 Each measurement runs in its own process, from a reset of the peak resident
 set size (Linux' /proc/self/clear_refs) after the table is built: the peak
-that building it leaves could otherwise hide a densified gradient.
+that building it leaves could otherwise hide a densified gradient. The
+measured steps include the first one, whose tracing and compiling the
+process' peak also sees: XLA's compiler peaks about 70 MiB higher for tfdls'
+step than for the bare one, whatever the table's size (a 10,000,000-row
+table left that margin too thin; a densified gradient grows with the table).
 """
 
 import json
@@ -18,7 +22,7 @@ import sys
 
 import pytest
 
-ROWS, WIDTH = 10_000_000, 8
+ROWS, WIDTH = 20_000_000, 8
 TABLE_MIB = ROWS * WIDTH * 4 / 2**20
 ALLOWED_MIB = TABLE_MIB / 4
 
@@ -42,7 +46,7 @@ else:
     opt = tfdls.LossScaleOptimizer(inner, gradient_stats=True, jit_compile=xla and "auto")
 opt.build([table])
 step = tf.function(lambda g: opt.apply([g], [table]), jit_compile=xla)
-kib = lambda field: int(re.search(field + r":\s+(\d+)", open("/proc/self/status").read()).group(1))
+kib = lambda field: int(re.search(field + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1))
 open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) restarts from here
 before = kib("VmRSS")
 for g in (grad, grad, bad, grad):
@@ -63,7 +67,7 @@ def _growth(who, mode):
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("mode", ["graph", "xla"])
-def test_memory_stays_flat_with_a_10m_row_table(mode):
+def test_memory_stays_flat_with_a_20m_row_table(mode):
     bare = _growth("bare", mode)["growth"]
     mine = _growth("tfdls", mode)
     assert mine["skip"] == "masked"
