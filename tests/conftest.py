@@ -60,3 +60,55 @@ def run_mode(request):
 
     wrap.mode = request.param
     return wrap
+
+
+# XLA's CPU compiler maps every function it compiles into memory (about 30
+# maps for a small step) and never unmaps it while the process lives; past
+# the kernel's vm.max_map_count (65,530 by default) TensorFlow segfaults. The
+# whole suite compiles more than that, so pyproject.toml's addopts run it in
+# two pytest-xdist processes, and this guard stops a process that nears the
+# limit with a message instead of a crash. The largest single test adds
+# about MAPS_HEADROOM / 2 maps.
+MAPS_HEADROOM = 6000
+
+
+def memory_maps():
+    """(maps this process holds, the most it may hold), or None off Linux.
+
+    TFDLS_TESTS_MAX_MAPS overrides the kernel's limit (to test this guard).
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            held = sum(1 for _ in maps)
+        with open("/proc/sys/vm/max_map_count") as limit:
+            most = int(os.environ.get("TFDLS_TESTS_MAX_MAPS") or limit.read())
+    except OSError:
+        return None
+    return held, most
+
+
+def memory_maps_message(where):
+    """A message if this process holds too many memory maps to go on, else None."""
+    maps = memory_maps()
+    if maps is None or maps[0] <= maps[1] - MAPS_HEADROOM:
+        return None
+    return (
+        f"stopped before {where}: this test process holds {maps[0]} memory maps of the "
+        f"{maps[1]} the kernel allows (vm.max_map_count), and TensorFlow crashes past that. "
+        "XLA's CPU compiler keeps every function it compiled mapped until the process "
+        "ends: run the tests in more processes (pytest -n 3, ...) or fewer tests per run."
+    )
+
+
+def check_memory_maps(where):
+    """Raises where this process nears the memory-map limit (within one test:
+    a hypothesis example fails with this message instead of crashing)."""
+    message = memory_maps_message(where)
+    if message is not None:
+        raise RuntimeError(message)
+
+
+def pytest_runtest_setup(item):
+    message = memory_maps_message(item.nodeid)
+    if message is not None:
+        pytest.exit(message, returncode=3)

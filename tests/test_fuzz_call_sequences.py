@@ -45,6 +45,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tfdls
+from conftest import check_memory_maps
 from contract_model import ContractModel
 from keras_optimizers import EXPORTED, make_optimizer
 
@@ -524,6 +525,9 @@ class _Run:
 
 
 def _run_program(program, strategy=None):
+    # Deep runs compile thousands of XLA steps in one test, whose code stays
+    # mapped: fail with conftest's message, not with TensorFlow's segfault.
+    check_memory_maps("this example")
     run = _Run(program, strategy)
     run.check("start")
     applied = 0
