@@ -275,5 +275,23 @@ def test_stuck_warning_names_a_variable_whose_sums_could_overflow():
     rows = tf.constant([[40000.0, 1.0], [40000.0, 1.0]], tf.float16)
     opt.apply([tf.IndexedSlices(rows, tf.constant([1, 1]), tf.constant([4, 2]))], [table])
     with pytest.raises(tfdls.LossScaleStuckError,
-                       match=r"for: table \(finite; a sum of it could overflow\)"):
+                       match=r"still produced finite gradients whose sums could overflow for: "
+                             r"table\. ") as stuck:
+        opt.check_min_scale_policy()
+    assert "non-finite" not in str(stuck.value)
+
+
+def test_stuck_warning_keeps_non_finite_gradients_and_overflowing_sums_apart():
+    table = keras.Variable(np.zeros([4, 2], np.float16), name="table")
+    bad = keras.Variable(np.zeros([2], np.float16), name="bad")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0),
+                                   tfdls.DynamicLossScale(1.0, min_loss_scale=1.0),
+                                   min_scale_policy="raise")
+    opt.build([table, bad])
+    rows = tf.constant([[40000.0, 1.0], [40000.0, 1.0]], tf.float16)
+    opt.apply([tf.IndexedSlices(rows, tf.constant([1, 1]), tf.constant([4, 2])),
+               tf.constant([float("nan"), 1.0], tf.float16)], [table, bad])
+    with pytest.raises(tfdls.LossScaleStuckError,
+                       match=r"step 0 still produced non-finite gradients for: bad and finite "
+                             r"gradients whose sums could overflow for: table\. "):
         opt.check_min_scale_policy()

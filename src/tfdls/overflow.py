@@ -113,11 +113,15 @@ def _headroom_text(names, headroom_bits):
     return "; headroom on the last finite step: " + ", ".join(parts)
 
 
-def _stuck_message(step, names, min_loss_scale, headroom_bits=()):
+def _stuck_message(step, names, min_loss_scale, headroom_bits=(), sum_names=()):
+    causes = []
+    if names or not sum_names:
+        causes.append(f"non-finite gradients for: {', '.join(names) or '(unknown)'}")
+    if sum_names:
+        causes.append(f"finite gradients whose sums could overflow for: {', '.join(sum_names)}")
     return (
         f"tfdls: the loss scale is at its minimum ({min_loss_scale:g}) and step {step} "
-        f"still produced non-finite gradients for: {', '.join(names) or '(unknown)'}"
-        f"{_headroom_text(names, headroom_bits)}. "
+        f"still produced {' and '.join(causes)}{_headroom_text(names, headroom_bits)}. "
         "Lowering the scale cannot fix this: the model is likely diverging (learning "
         "rate too high, bad input data, or an op overflowing in the forward pass). "
         "Set min_scale_policy='ignore' on LossScaleOptimizer to silence this."
@@ -141,11 +145,13 @@ class MinScalePolicy:
         self.policy = policy
         self._warned = False
 
-    def __call__(self, step, names, min_loss_scale, headroom_bits=()):
-        """Reports a stuck overflow at `step` for the variables `names`."""
+    def __call__(self, step, names, min_loss_scale, headroom_bits=(), sum_names=()):
+        """Reports a stuck overflow at `step` for the variables `names` (non-finite
+        gradients) and `sum_names` (finite gradients whose sums could overflow)."""
         if self.policy == "ignore":
             return
-        message = _stuck_message(int(step), list(names), float(min_loss_scale), headroom_bits)
+        message = _stuck_message(int(step), list(names), float(min_loss_scale), headroom_bits,
+                                 list(sum_names))
         if self.policy == "raise":
             raise LossScaleStuckError(message)
         if not self._warned:
@@ -263,8 +269,7 @@ class OverflowRecord(tf.Module):
         step = int(self.last_step.numpy())
         names = names_from_mask(self.mask.numpy(), self.variable_names)
         headroom = self._headroom(names)
+        sum_names = ()
         if int(self.sum_step.numpy()) == step:
-            names += tuple(f"{name} (finite; a sum of it could overflow)"
-                           for name in names_from_mask(self.sum_mask.numpy(), self.variable_names))
-            headroom = ()  # quoted per non-finite name only
-        self.policy(step, names, min_loss_scale, headroom)
+            sum_names = names_from_mask(self.sum_mask.numpy(), self.variable_names)
+        self.policy(step, names, min_loss_scale, headroom, sum_names)
