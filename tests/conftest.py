@@ -102,7 +102,8 @@ def memory_maps_message(where):
 
 def check_memory_maps(where):
     """Raises where this process nears the memory-map limit (within one test:
-    a hypothesis example fails with this message instead of crashing)."""
+    a hypothesis example fails with this message instead of crashing;
+    hypothesis then shrinks it to some small example, which is not the cause)."""
     message = memory_maps_message(where)
     if message is not None:
         raise RuntimeError(message)
@@ -111,4 +112,8 @@ def check_memory_maps(where):
 def pytest_runtest_setup(item):
     message = memory_maps_message(item.nodeid)
     if message is not None:
-        pytest.exit(message, returncode=3)
+        # Not pytest.exit: in an xdist worker that ends as an INTERNALERROR
+        # without the message. This fails the test's setup with it and stops
+        # the session (every worker's): "Interrupted: stopped before ...".
+        item.session.shouldstop = message
+        pytest.fail(message, pytrace=False)

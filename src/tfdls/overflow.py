@@ -114,16 +114,20 @@ def _headroom_text(names, headroom_bits):
 
 
 def _stuck_message(step, names, min_loss_scale, headroom_bits=(), sum_names=()):
-    causes = []
+    causes, advice = [], []
     if names or not sum_names:
-        causes.append(f"non-finite gradients for: {', '.join(names) or '(unknown)'}")
+        causes.append(f"non-finite gradients for: {', '.join(names) or '(unknown)'}"
+                      f"{_headroom_text(names, headroom_bits)}")
+        advice.append("the model is likely diverging (learning rate too high, bad input "
+                      "data, or an op overflowing in the forward pass)")
     if sum_names:
         causes.append(f"finite gradients whose sums could overflow for: {', '.join(sum_names)}")
+        advice.append("sums of finite gradients overflow those variables' dtype (keep them in "
+                      "float32, as mixed_float16 does, or make the gradients smaller)")
     return (
         f"tfdls: the loss scale is at its minimum ({min_loss_scale:g}) and step {step} "
-        f"still produced {' and '.join(causes)}{_headroom_text(names, headroom_bits)}. "
-        "Lowering the scale cannot fix this: the model is likely diverging (learning "
-        "rate too high, bad input data, or an op overflowing in the forward pass). "
+        f"still produced {'; and '.join(causes)}. Lowering the scale cannot fix this: "
+        f"{'; '.join(advice)}. "
         "Set min_scale_policy='ignore' on LossScaleOptimizer to silence this."
     )
 
