@@ -235,10 +235,11 @@ def sum_bounds(grads: Sequence[Any]) -> tuple[tf.Tensor, tf.Tensor]:
     largest magnitude (`largest_magnitudes`), one term. An optimizer adds
     the rows of an `IndexedSlices` gradient that share an index (a
     scatter-add, or the dense gradient's segment sum), in no fixed order (on
-    a GPU, atomics); no partial sum of an element is larger than the sum of
-    those rows' largest magnitudes: the bound is the largest such sum over
-    the indices, its terms the most rows one index has. Reads the rows once
-    more and sorts the indices; never densifies.
+    a GPU, atomics); the magnitudes an element's sum adds there total at
+    most the sum of those rows' largest magnitudes (`sums_may_overflow`
+    allows for the rounding of its partial sums): the bound is the largest
+    such sum over the indices, its terms the most rows one index has. Reads
+    the rows once more and sorts the indices; never densifies.
     """
     bounds, terms = [], []
     dense = [g for g in grads if not isinstance(g, tf.IndexedSlices)]
@@ -286,12 +287,24 @@ def sums_may_overflow(grads: Sequence[Any], across_replicas: bool = False,
         extra_bounds: per gradient, a float64 magnitude added to the sum as
             one more term (a gradient accumulator's largest element), or None.
 
-    The rule: True where the bound of `sum_bounds` (summed over the
-    replicas), grown by one rounding per addition (``(1 + u)**(terms - 1)``,
-    u the dtype's unit roundoff), exceeds the dtype's largest value.
-    Conservative: a sum that would just fit, large elements in different
-    places, or very many terms (float16: ``(1 + 2**-11)**2048`` is about
-    e) may be reported; a single dense gradient and a bound of 0 never are.
+    The rule: with n the terms (the most rows one index has, summed over
+    the R replicas, plus E = 1 for an extra bound, else E = 0), u the
+    dtype's unit roundoff and B the bound of `sum_bounds` (summed over the
+    replicas, plus the extra one), True where
+
+        B * min((1 + u)**(n - 1), 2 * (1 + u)**(ceil(log2(n)) + R - 1 + E)) > largest finite
+
+    Why: rounding to nearest, fl(a + b) is no farther from a + b than a is
+    (a is a candidate), so |fl(a + b)| <= |a| + 2|b|, and adding the terms one
+    at a time, in any order, keeps every partial sum within 2 * sum |x_i|
+    <= 2B. Every addition also grows a sum by at most 1 + u, in any order or
+    tree: the first factor. The second allows balanced blocks added first
+    (TensorFlow's GPU segment sums), then the replicas' totals and the extra
+    term added in any order. A sum within largest rounds to a finite value
+    (Inf needs largest + half an ulp); a wider dtype only helps.
+    Conservative: a sum that would just fit, or large elements in different
+    places, may be reported; a single dense gradient and a bound of 0 never
+    are, and many tiny rows at one index (a padding id) are not.
 
     Example:
 
@@ -303,20 +316,38 @@ def sums_may_overflow(grads: Sequence[Any], across_replicas: bool = False,
     if not grads:
         return tf.zeros([0], tf.bool)
     bounds, terms = sum_bounds(grads)
+    replicas, extra = 1, 0.0
     if across_replicas:
         both = _distribute.sum_over_replicas(tf.stack([bounds, terms]))  # one all-reduce
         bounds, terms = both[0], both[1]
+        replicas = _distribute.replicas_in_sync()
     if extra_bounds is not None:
         bounds = bounds + tf.stack(extra_bounds)
         terms = terms + 1.0
+        extra = 1.0
     dtypes = [(g.values if isinstance(g, tf.IndexedSlices) else g).dtype for g in grads]
     largest = tf.constant([_FLOAT_INFO[d][0] for d in dtypes], tf.float64)
     log_rounding = tf.constant([math.log1p(2.0 ** -_FLOAT_INFO[d][1]) for d in dtypes],
                                tf.float64)
-    # A sum of n terms, added one by one in any order, is at most (1 + u)**(n - 1) times
-    # the sum of their magnitudes (u: the unit roundoff). As a limit on the bound: no
-    # NaN from inf * 0, and a bound of 0 is never reported, however many terms.
-    limits = largest * tf.exp(-(terms - 1.0) * log_rounding)
+    # Any order or tree of n - 1 additions: (1 + u)**(n - 1) (each sum at most 1 + u times
+    # its operands' magnitudes). One at a time: 2, since |fl(a + b) - (a + b)| <= |b| (a is
+    # representable, the nearest value no farther). TensorFlow's GPU segment sums add
+    # balanced blocks of rows (depth <= ceil(log2(n))) or runs of 8 before adding the
+    # results one at a time, and the replicas' totals and the accumulator come after, in
+    # any order: 2 * (1 + u)**(ceil(log2(n)) + R - 1 + E) covers them all. (Runs of 8 grow
+    # by (1 + u)**7, within that depth for n > 64; for n <= 64 the first factor is the
+    # smaller, below 2 in every dtype.)
+    depth = tf.math.ceil(tf.math.log(terms) / math.log(2.0))  # ceil(log2(n)); one above
+    # at a power of two where the quotient rounds up: only more conservative.
+    log_growth = tf.minimum((terms - 1.0) * log_rounding,
+                            math.log(2.0) + (depth + (replicas - 1 + extra)) * log_rounding)
+    # The float64 roundings of the bound (at most n - 1 additions) and of this limit, which
+    # matter for float64 gradients only (others have half an ulp of their own to spare);
+    # none where there is no addition, so a lone largest finite value is never reported.
+    log_growth += (terms - 1.0) * 2.0**-48
+    # As a limit on the bound: no NaN from inf * 0, and a bound of 0 is never reported,
+    # however many terms.
+    limits = largest * tf.exp(-log_growth)
     return tf.logical_not(bounds <= limits)  # NaN or Inf: may overflow too
 
 
