@@ -67,6 +67,14 @@ def train_steps(model, optimizer, batches, mode, loss_fn=None):
         step(tf.constant(x), tf.constant(y))
 
 
+def record_factors(boundaries):
+    """What a backward pass through `boundaries` records: the exponents in force. Drawn
+    gradients given to `apply` stand for gradients a backward pass multiplied by the
+    factors assigned by hand; `apply` divides by the recorded ones (`tfdls._record`)."""
+    for boundary in boundaries:
+        boundary._ownership.recorded_exponent.assign(boundary.exponent())
+
+
 def values(model):
     return [v.numpy().copy() for v in model.trainable_variables]
 
@@ -1146,6 +1154,7 @@ def test_a_finite_gradient_whose_division_overflows_is_skipped(hypothesis, mode,
             v.assign(tf.zeros_like(v))
         for boundary, value in zip((b_low, b_top), factors):
             boundary.log2_factor.assign(value)
+        record_factors((b_low, b_top))
         e_low, e_top = [int(-14 if math.isnan(v) else np.trunc(np.clip(np.float32(v), -14, 15)))
                         for v in factors]
         optimizer.loss_scale.current_loss_scale.assign(2.0**s)
@@ -1203,6 +1212,7 @@ def test_the_check_names_the_overflowing_variables_with_mixed_dtypes(hypothesis,
     def check(factors, magnitudes):
         for boundary, f in zip(boundaries, factors):
             boundary.log2_factor.assign(float(f))
+        record_factors(boundaries)
         grads, bad = [], []
         for v, layer, m in zip(variables, layer_index, magnitudes):
             exponent = sum(factors[layer:])  # the boundaries above layer `layer`

@@ -52,7 +52,9 @@ def test_rows_of_one_index_that_could_overflow_skip_the_step(run_mode):
          tf.constant([3, 3, 5]))
     assert_same_bits(before, state(opt, [table]))
     assert int(opt.loss_scale.num_skipped_steps.numpy()) == 1
-    report = opt.last_overflow()
+    # A sum veto is reported by min_scale_policy at any scale (the scale stays).
+    with pytest.warns(RuntimeWarning, match="whose sums could overflow for"):
+        report = opt.last_overflow()
     assert (report.variable_names, report.sum_overflow_names) == ((), ("table",))
     assert f"sums of finite gradients could overflow for table;" in str(report)
     # Rows that fit once added are applied, as the bare optimizer applies them.
@@ -62,6 +64,34 @@ def test_rows_of_one_index_that_could_overflow_skip_the_step(run_mode):
     np.testing.assert_array_equal(table.numpy()[5], [-1.0, -1.0])
     np.testing.assert_array_equal(table.numpy()[0], [-1.0, -2.0])
     assert int(opt.loss_scale.num_skipped_steps.numpy()) == 1
+
+
+def test_a_sum_veto_leaves_the_loss_scale(run_mode):
+    """A lower scale cannot change a sum of divided gradients: a step skipped for a sum
+    alone keeps the scale (and counts as skipped, resetting the good steps); a
+    non-finite gradient still lowers it."""
+    table = keras.Variable(np.zeros([4, 2], np.float16), dtype="float16", name="table")
+    opt = tfdls.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0),
+        tfdls.DynamicLossScale(0.5, increment_period=2, min_loss_scale=2.0**-4),
+        min_scale_policy="ignore")
+    opt.build([table])
+
+    @run_mode
+    def step(values, indices):
+        opt.apply([tf.IndexedSlices(values, indices, tf.constant([4, 2]))], [table])
+
+    step(tf.constant([[1.0, 1.0]], tf.float16), tf.constant([0]))  # one good step
+    before = state(opt, [table])
+    # Scaled rows of 20000, divided by 0.5: two rows of 40000 at index 1 sum past 65504.
+    step(tf.constant([[20000.0, 1.0], [20000.0, 1.0]], tf.float16), tf.constant([1, 1]))
+    assert_same_bits(before, state(opt, [table]))
+    assert float(opt.loss_scale()) == 0.5
+    assert int(opt.loss_scale.num_skipped_steps.numpy()) == 1
+    assert int(opt.loss_scale.num_good_steps.numpy()) == 0
+    assert opt.last_overflow().sum_overflow_names == ("table",)
+    step(tf.constant([[float("inf"), 1.0]], tf.float16), tf.constant([2]))
+    assert float(opt.loss_scale()) == 0.25
 
 
 def test_a_single_row_at_the_largest_value_is_applied(run_mode):
@@ -144,7 +174,9 @@ def test_a_window_that_would_overflow_drops_the_micro_batch(run_mode, sparse):
     step(tf.constant(40000.0, tf.float16))  # 40000 + 40000 = Inf: dropped (was -inf weights)
     assert_same_bits(before, state(opt, [v]))
     assert int(opt.loss_scale.num_skipped_steps.numpy()) == 1
-    report = opt.last_overflow()
+    # A sum veto is reported by min_scale_policy at any scale (the scale stays).
+    with pytest.warns(RuntimeWarning, match="whose sums could overflow for"):
+        report = opt.last_overflow()
     assert (report.variable_names, report.sum_overflow_names) == ((), ("v",))
     assert f"sums of finite gradients could overflow for v;" in str(report)
     step(tf.constant(1.0, tf.float16))  # closes the window: (40000 + 1) / 2 in float16
@@ -187,7 +219,9 @@ def test_a_multi_optimizer_window_that_would_overflow_drops_the_micro_batch(run_
     before = state(opt, [a, b])
     step(tf.constant(40000.0, tf.float16))  # b's window: 40000 + 40000 = Inf
     assert_same_bits(before, state(opt, [a, b]))
-    report = opt.last_overflow()
+    # A sum veto is reported by min_scale_policy at any scale (the scale stays).
+    with pytest.warns(RuntimeWarning, match="whose sums could overflow for"):
+        report = opt.last_overflow()
     assert (report.variable_names, report.sum_overflow_names) == ((), ("b",))
     assert f"sums of finite gradients could overflow for b;" in str(report)
     step(tf.constant(1.0, tf.float16))
@@ -256,7 +290,9 @@ def test_report_keeps_non_finite_gradients_and_overflowing_sums_apart(run_mode):
     nan = tf.constant([float("nan"), 1.0], tf.float16)
     finite = tf.constant([1.0, 1.0], tf.float16)
     step(big, tf.constant([2, 2]), nan)
-    report = opt.last_overflow()
+    # A sum veto is reported by min_scale_policy at any scale (the scale stays).
+    with pytest.warns(RuntimeWarning, match="whose sums could overflow for"):
+        report = opt.last_overflow()
     assert (report.variable_names, report.sum_overflow_names) == (("bad",), ("table",))
     assert "non-finite gradients for bad; sums of finite gradients could overflow for table;" \
         in str(report)

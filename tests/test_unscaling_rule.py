@@ -169,8 +169,33 @@ def test_a_logging_call_closed_by_scale_loss_leaves_the_step_scaled(mode):
 
 
 def test_after_get_unscaled_gradients_apply_divides_none():
-    """The rule, not the tensors' history: a gradient that did not pass through
-    get_unscaled_gradients is applied as given too (the step is unscaled)."""
+    """The rule, not the tensors' history: after get_unscaled_gradients, apply
+    divides nothing (the run-time divisor is 1), here in another function."""
+    w, opt = _setup()
+    b = keras.Variable(np.zeros(2, "float32"), name="b")
+    opt = tfdls.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0), tfdls.DynamicLossScale(SCALE, increment_period=10**6)
+    )
+
+    @tf.function
+    def unscale(scaled_w, scaled_b):
+        return opt.get_unscaled_gradients([scaled_w, scaled_b])
+
+    @tf.function
+    def step(unscaled_w, given_b):
+        opt.apply([unscaled_w, given_b], [w, b])
+
+    unscaled_w, unscaled_b = unscale(_scaled(), tf.constant([SCALE, -SCALE]))
+    step(unscaled_w, unscaled_b)
+    np.testing.assert_array_equal(w.numpy(), RIGHT)
+    np.testing.assert_array_equal(b.numpy(), np.array([-1.0, 1.0], "float32"))
+    assert opt.step_plan.divide == (True, True)  # by the run-time divisor, here 1
+
+
+def test_a_gradient_applied_beside_unscaled_ones_but_never_unscaled_is_refused():
+    """Partial unscaling: with a call pending apply divides nothing, so a gradient it did
+    not return (b's, scaled) would be applied undivided: refused, naming b, in a
+    traced step as eagerly, and nothing changes."""
     w, opt = _setup()
     b = keras.Variable(np.zeros(2, "float32"), name="b")
     opt = tfdls.LossScaleOptimizer(
@@ -182,10 +207,11 @@ def test_after_get_unscaled_gradients_apply_divides_none():
         (unscaled_w,) = opt.get_unscaled_gradients([scaled_w])
         opt.apply([unscaled_w, given_b], [w, b])
 
-    step(_scaled(), tf.constant([1.0, -1.0]))
-    np.testing.assert_array_equal(w.numpy(), RIGHT)
-    np.testing.assert_array_equal(b.numpy(), np.array([-1.0, 1.0], "float32"))
-    assert opt.step_plan.divide == (True, True)  # by the run-time divisor, here 1
+    before = (w.numpy().copy(), b.numpy().copy())
+    with pytest.raises(ValueError, match=r"the gradient of b: .*more gradients than it returned"):
+        step(_scaled(), tf.constant([SCALE, -SCALE]))
+    np.testing.assert_array_equal(w.numpy(), before[0])
+    np.testing.assert_array_equal(b.numpy(), before[1])
 
 
 def test_an_eager_apply_that_raised_clears_the_mark():

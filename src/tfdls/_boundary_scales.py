@@ -112,6 +112,13 @@ class BoundaryScales(tf.Module):
         values = tf.stack([b.log2_factor.value for b in self.boundaries])
         return boundaries_lib.integer_exponent(values, tree.mins, tree.maxs)
 
+    def recorded_exponents(self):
+        """The exponent per boundary that the last backward pass through it multiplied by
+        (a float32 vector): what the gradients carry, to divide by."""
+        if not self._tree.count:
+            return tf.zeros([0])
+        return tf.stack([b._ownership.recorded_exponent.value() for b in self.boundaries])
+
     def totals(self, exponents):
         """Per segment, the exponent sum of the boundaries above it (a float32 vector;
         segment 0, above every boundary, has 0). Sums of small integers: exact."""
@@ -127,8 +134,8 @@ class BoundaryScales(tf.Module):
         step, a handful per level of nesting to place the factors.
 
         Args:
-            exponents: `exponents()`, read before the gradients were divided.
-            totals: `totals(exponents)`.
+            exponents: `exponents()`, the factors now, which the step adapts.
+            totals: `totals(recorded_exponents())`, what the gradients carry.
             is_finite: the replica-agreed decision of this step.
             segment_bad: per segment, a bool: a non-finite gradient in it.
             segment_exponent: per segment, the float32 binary exponent of

@@ -165,10 +165,11 @@ def _lookup():
         raise _missing("tf.__internal__.distribute.strategy_supports_no_merge_call")
     tracking = _require("keras.src.utils.tracking", "no_automatic_dependency_tracking")
     summary_pb2 = _require("tensorflow.core.framework.summary_pb2")
+    record = _require("tensorflow.python.eager.record", "could_possibly_record")
     for name in OPTIMIZER_METHODS:
         if not callable(getattr(keras.optimizers.Optimizer, name, None)):  # pragma: no cover
             raise _missing(f"keras.optimizers.Optimizer.{name}")
-    return control_flow_util, tf_config, func_graphs, internal, tracking, summary_pb2
+    return control_flow_util, tf_config, func_graphs, internal, tracking, summary_pb2, record
 
 
 # Private members of keras.optimizers.Optimizer that tfdls' subclass uses,
@@ -195,6 +196,7 @@ check_versions()
     _internal_distribute,
     _tracking,
     summary_pb2,
+    _record,
 ) = _lookup()
 
 no_automatic_dependency_tracking = _tracking.no_automatic_dependency_tracking
@@ -205,6 +207,11 @@ def in_xla_context():
     import tensorflow as tf
 
     return _control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def tape_may_record():
+    """True while a `tf.GradientTape` (or another tape) is recording (no public equivalent)."""
+    return _record.could_possibly_record()
 
 
 def is_cond_branch(graph):

@@ -61,7 +61,8 @@ def owned_exponents(log2_factors, owned, low, high):
 
 
 def factor(boundary, dtype):
-    """`boundary`'s factor for this backward pass, a scalar of `dtype` (see the module docstring)."""
+    """`boundary`'s exponent (float32) and factor (a scalar of `dtype`) for this backward pass
+    (see the module docstring)."""
     group = boundary._ownership.group
     if group is None or tf.executing_eagerly():
         return _read_one(boundary, dtype)
@@ -113,6 +114,7 @@ class _GroupReading:
         self.graph_handles = [r.op.inputs[0].name for r in reads]
         self.created = max(r.op._id for r in reads)
         exponents = owned_exponents(tf.stack(reads[:-1]), owned, group.low, group.high)
+        self.exponents = [t.name for t in tf.unstack(exponents, len(group.boundaries))]
         self.factors = power_of_two(tf.cast(exponents, tf.int32)).name
         self.by_dtype = {}  # dtype -> the names of the factors in that dtype
 
@@ -127,10 +129,12 @@ class _GroupReading:
         if dtype not in self.by_dtype:
             factors = tf.cast(graph.get_tensor_by_name(self.factors), dtype)
             self.by_dtype[dtype] = [t.name for t in tf.unstack(factors, len(self.group.boundaries))]
-        return graph.get_tensor_by_name(self.by_dtype[dtype][self.group.index[id(boundary)]])
+        k = self.group.index[id(boundary)]
+        return (graph.get_tensor_by_name(self.exponents[k]),
+                graph.get_tensor_by_name(self.by_dtype[dtype][k]))
 
 
 def _read_one(boundary, dtype):
     exponent = owned_exponents(boundary.log2_factor.value, boundary._ownership.owned,
                                boundary.min_log2_factor, boundary.max_log2_factor)
-    return tf.cast(power_of_two(tf.cast(exponent, tf.int32)), dtype)
+    return exponent, tf.cast(power_of_two(tf.cast(exponent, tf.int32)), dtype)

@@ -84,9 +84,10 @@ class UnscaleState(tf.Module):
         self._guard.record(scaled, unscaled)
         self.gradients_unscaled.assign(True)
 
-    def check(self, grads):
-        """Raises ValueError for gradients the rule would visibly apply wrongly."""
-        self._guard.check(grads, self._flag_is_set)
+    def check(self, grads, names):
+        """Raises ValueError for gradients the rule would visibly apply wrongly (`names`:
+        their variables' names, for the message)."""
+        self._guard.check(grads, names, self._flag_is_set)
 
     def _flag_is_set(self):
         # Eager only, and only while an eager get_unscaled_gradients call is
@@ -206,14 +207,16 @@ class UnscaleGuard:
             for call in group:
                 call.closers.append(closer)
 
-    def check(self, grads, flag_is_set):
-        values = [_values(g) for g in grads if g is not None]
+    def check(self, grads, names, flag_is_set):
+        present = [(_values(g), n) for g, n in zip(grads, names) if g is not None]
+        values = [v for v, _ in present]
+        names = [n for _, n in present]
         if tf.executing_eagerly():
-            self._check_eager(values, flag_is_set)
+            self._check_eager(values, names, flag_is_set)
         else:
-            self._check_traced(values)
+            self._check_traced(values, names)
 
-    def _check_eager(self, values, flag_is_set):
+    def _check_eager(self, values, names, flag_is_set):
         calls = self._eager_calls()
         if not calls:
             return
@@ -222,17 +225,17 @@ class UnscaleGuard:
             for call in pending:  # a traced scale_loss or apply ended that step
                 call.closers.append(EAGER)
             pending = []
-        for value in values:
+        for value, name in zip(values, names):
             if pending:
                 if any(value is t for c in calls for t in c.scaled):
-                    raise ValueError(_message("bypass"))
+                    raise ValueError(_message("bypass", name))
                 if not any(value is t for c in pending for t in c.unscaled):
-                    raise ValueError(_message("eager"))
+                    raise ValueError(_message("eager", name))
             elif any(value is t for c in calls for t in c.unscaled):
                 # Nothing pending: apply divides, a second time for these.
                 raise ValueError(_message("closed"))
 
-    def _check_traced(self, values):
+    def _check_traced(self, values, names):
         graphs = self._graph_calls()
         graph = tf.compat.v1.get_default_graph()
         if not any(graphs.get(g) for g in _graph_chain(graph)):
@@ -247,11 +250,20 @@ class UnscaleGuard:
             c.open_for(graph) for g in _graph_chain(graph) for c in graphs.get(g, ())
         )
         errors = ("bypass", "repeat", "hidden") if pending else ("closed",)
-        for value in values:
+        for value, name in zip(values, names):
             found = labels.used_in(value, graph)
             for label in errors:
                 if label in found:
-                    raise ValueError(_message(label))
+                    raise ValueError(_message(label, name))
+        if pending:
+            # By position: with a call pending apply divides nothing, so it may
+            # receive no more gradients than the pending calls returned; those
+            # not computed from their outputs are the undivided ones.
+            returned = sum(len(c.unscaled) for g in _graph_chain(graph)
+                           for c in graphs.get(g, ()) if c.open_for(graph))
+            if len(values) > returned:
+                raw = [n for v, n in zip(values, names) if "open" not in labels.used_in(v, graph)]
+                raise ValueError(_message("partial", ", ".join(raw) or None))
 
 
 class _Labels:
@@ -398,6 +410,13 @@ _MESSAGES = {
         "gradients. Call get_unscaled_gradients() and apply() in the same function, "
         "or pass the gradients by closure."
     ),
+    "partial": (
+        "get_unscaled_gradients() was called since the last scale_loss() or apply() "
+        "(so apply() divides none of the gradients), but apply() received more "
+        "gradients than it returned: the others were never divided by the loss "
+        "scale. Pass every gradient of the step through get_unscaled_gradients(), or "
+        "none (Keras 3 style: apply() divides them)."
+    ),
     "eager": (
         "get_unscaled_gradients() was called since the last apply() in this thread, "
         "and apply() received a gradient that is not one it returned; in eager mode "
@@ -410,5 +429,6 @@ _MESSAGES = {
 }
 
 
-def _message(kind):
-    return f"tfdls: {_MESSAGES[kind]} ({_RULE})"
+def _message(kind, names=None):
+    about = "" if names is None else f"the gradient of {names}: "
+    return f"tfdls: {about}{_MESSAGES[kind]} ({_RULE})"

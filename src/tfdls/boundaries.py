@@ -58,7 +58,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdls import _factor_readings
+from tfdls import _compat, _factor_readings
 from tfdls._division import divide_by_power_of_two
 from tfdls._factor_readings import integer_exponent  # noqa: F401 (part of this module's interface)
 
@@ -242,7 +242,11 @@ def _identity_scaling_gradient(x, boundary):
         def backward(upstream):
             upstream = _dense(upstream)
             boundary._ownership.backward_calls += 1
-            factor = _factor_readings.factor(boundary, upstream.dtype)
+            exponent, factor = _factor_readings.factor(boundary, upstream.dtype)
+            # What multiplied this gradient, for the optimizer to divide by
+            # (`tfdls._record`): its adaptation may change the factor before
+            # every apply of this step has run.
+            boundary._ownership.recorded_exponent.assign(exponent)
             scaled = _first_order_only(upstream * factor, boundary)
             seen.add(scaled, (boundary,))
             return scaled
@@ -291,7 +295,9 @@ class UnscaledInput(keras.layers.Layer):
     >>> with tf.GradientTape() as tape:
     ...     tape.watch(x)
     ...     y = tf.reduce_sum(model(x))
-    >>> plain = keras.Sequential(model.layers[1:2] + model.layers[3:])  # no boundary
+    >>> plain = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2),
+    ...                           keras.layers.Dense(1)])  # no boundary, the same weights
+    >>> plain.set_weights([v.numpy() for v in model.trainable_variables])
     >>> with tf.GradientTape() as tape2:
     ...     tape2.watch(x)
     ...     y2 = tf.reduce_sum(plain(x))
@@ -366,10 +372,8 @@ def _identity_unscaling_gradient(x, layer):
                     "activations. Take such features from a model without scale "
                     "boundaries."
                 )
-            exponents = [
-                tf.where(b._ownership.owned, b.exponent(), 0.0)
-                for b in above
-            ]
+            # What the boundaries above multiplied this gradient by.
+            exponents = [b._ownership.recorded_exponent.value() for b in above]
             total = tf.cast(tf.add_n(exponents), tf.int32)
             divided = _first_order_only(
                 divide_by_power_of_two(upstream, total, 127 * len(above)), layer)
@@ -413,6 +417,13 @@ class _Ownership:
     def __init__(self):
         with tf.init_scope():
             self.owned = tf.Variable(False, trainable=False, name="owned")
+            # The exponent the last backward pass multiplied by (0 while not
+            # owned; the factor in force when ownership is taken); each replica
+            # records its own (ON_READ), in its backward pass.
+            self.recorded_exponent = tf.Variable(
+                0.0, trainable=False, name="recorded_exponent",
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         # Backward passes run (eagerly) or traced so far: a Python count,
         # read by `UnscaledInput` to see that a gradient crossed the boundary.
         self.backward_calls = 0
@@ -606,8 +617,96 @@ def take_ownership(boundary_map: "BoundaryMap") -> None:
     for boundary in boundary_map.boundaries:
         with tf.init_scope():  # now, even inside a trace: a group's members are owned
             boundary._ownership.owned.assign(True)
+            # Until a backward pass records its own: the factor in force.
+            boundary._ownership.recorded_exponent.assign(boundary.exponent())
         boundary._ownership.group = group
     _mark(boundary_map, _OWNED_ABOVE)
+
+
+# -- losses that enter below a boundary ---------------------------------------------
+#
+# The rule: under a GradientTape, a layer below an owned boundary runs only inside
+# a call of the model that was given to the optimizer. A loss term computed from
+# an inner activation by calling such a layer directly (deep supervision, an
+# auxiliary head, a feature extractor sharing the layers) reaches its variables
+# without the boundaries' factors, which the optimizer divides out: refused when
+# the layer is called, eagerly and at trace time alike.
+
+# {layer below a boundary: (its owned model, the boundary above it)}, and the
+# owned models whose call is wrapped; weak.
+_guarded_layers = weakref.WeakKeyDictionary()
+_wrapped_models = weakref.WeakSet()
+# Per thread (MirroredStrategy calls replicas in threads): the owned models
+# whose call is in progress.
+_models_in_call = threading.local()
+
+
+def _calls_in_progress():
+    if not hasattr(_models_in_call, "stack"):
+        _models_in_call.stack = []
+    return _models_in_call.stack
+
+
+def _wrap_call(layer, before):
+    """Runs `before(layer)` ahead of every call of `layer`; once per layer."""
+    original = layer.call
+
+    def call(*args, **kwargs):
+        with before(layer):
+            return original(*args, **kwargs)
+
+    call.__wrapped__ = original
+    layer.call = call
+
+
+class _ModelCall:
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        _calls_in_progress().append(self.model)
+
+    def __exit__(self, *exc):
+        _calls_in_progress().pop()
+
+
+class _GuardedCall:
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __enter__(self):
+        model_ref, boundary_ref = _guarded_layers[self.layer]
+        model = model_ref()
+        if model is None or any(m is model for m in _calls_in_progress()):
+            return
+        if not _compat.tape_may_record():
+            return  # not differentiated: inference through the layers is fine
+        boundary = boundary_ref()
+        raise ValueError(
+            f"tfdls: the layer {self.layer.name!r} is below the scale boundary "
+            f"{getattr(boundary, 'name', '?')!r} and was called, under a GradientTape, "
+            f"outside a call of its model {model.name!r} (a loss on an inner activation: "
+            "deep supervision, an auxiliary head, a feature extractor that shares its "
+            "layers). Such a term's gradient reaches the layer's variables without the "
+            "boundaries' factors that the optimizer divides out, so their update would be "
+            "wrong. Compute such terms from a model without scale boundaries, or keep "
+            "them above every boundary."
+        )
+
+    def __exit__(self, *exc):
+        return False
+
+
+def guard_layers_below(model, boundary_map: "BoundaryMap") -> None:
+    """Installs the rule above for `model`'s layers below boundaries (see the comment)."""
+    if model not in _wrapped_models:
+        _wrapped_models.add(model)
+        _wrap_call(model, _ModelCall)
+    for layer, boundary in boundary_map.layers_below:
+        wrapped = layer in _guarded_layers
+        _guarded_layers[layer] = (weakref.ref(model), weakref.ref(boundary))
+        if not wrapped:
+            _wrap_call(layer, _GuardedCall)
 
 
 def owned_boundaries_above(variable) -> list:

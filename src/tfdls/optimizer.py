@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdls import _compat, _distribute, _division, _masked_update, _plan, _unscaling
+from tfdls import _compat, _distribute, _division, _masked_update, _plan, _record, _unscaling
 from tfdls import _boundary_scales
 from tfdls import boundaries as boundaries_lib
 from tfdls import finite, overflow
@@ -353,6 +353,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.record_gradient_stats = gradient_stats
         # The flag behind the unscaling rule (see `get_unscaled_gradients`).
         self._unscaling = _unscaling.UnscaleState()
+        # The scale scale_loss multiplied by, which apply divides by (`tfdls._record`).
+        self._record = _record.ScaleRecord()
         # Made by build():
         self._overflow: overflow.OverflowRecord | None = None
         self._stats: stats_lib.GradientStatsRecord | None = None
@@ -384,6 +386,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
         boundary_map = boundaries_lib.read_boundaries(model)
         boundaries_lib.take_ownership(boundary_map)
+        boundaries_lib.guard_layers_below(model, boundary_map)
         self._boundary_map = boundary_map
         self._boundaries_expected = True
         if self.built:
@@ -463,6 +466,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # create its own scale variables.
         super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
         names = [getattr(v, "path", None) or v.name for v in var_list]
+        self._record.build(len(var_list))
         with tf.name_scope(self.name):
             if self.record_gradient_stats:
                 self._stats = stats_lib.GradientStatsRecord(names)
@@ -480,12 +484,49 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def scale_loss(self, loss: Any) -> tf.Tensor:
         """Returns `loss * scale`: the hook Keras 3's `fit` calls.
 
+        Records the scale it multiplies by: `apply` divides by that record,
+        not by the scale as it is when `apply` runs (see `tfdls._record`).
         Also starts a new step for the unscaling rule (see
         `get_unscaled_gradients`): an earlier `get_unscaled_gradients` call
         no longer counts.
         """
         self._unscaling.begin_step()
-        return keras.ops.multiply(loss, self.loss_scale())
+        scale = self.loss_scale()
+        if not self._scale_is_fixed():
+            self._record.record(scale)
+        return keras.ops.multiply(loss, scale)
+
+    def _scale_is_fixed(self):
+        # A fixed scale is the same when recorded and when read: nothing to record.
+        return isinstance(self.loss_scale, loss_scale_lib.FixedLossScale)
+
+    def _scales(self, trainable_variables=None):
+        """The scale now, and the scale that multiplied the gradients of
+        `trainable_variables` (all of the optimizer's, if None) by the rule of
+        `tfdls._record`."""
+        live = self.loss_scale()
+        if self._scale_is_fixed():
+            return live, live
+        positions = None if trainable_variables is None else self._positions(trainable_variables)
+        return live, self._record.scale_for(live, positions)
+
+    def _positions(self, trainable_variables):
+        """The indices of `trainable_variables` among the optimizer's; a ValueError naming
+        one it was not built with."""
+        if self._boundary_map is None:
+            self._check_variables_are_known(trainable_variables)  # Keras' own error
+        positions = []
+        for variable in trainable_variables:
+            try:
+                positions.append(self._get_variable_index(variable))
+            except KeyError:
+                raise ValueError(
+                    f"tfdls: the variable {getattr(variable, 'path', None) or variable.name!r} "
+                    "is not one this optimizer was built with, so it does not know which "
+                    "scale boundaries its gradient crossed. An optimizer updates the "
+                    "variables it was built with; make a new one for other variables."
+                ) from None
+        return positions
 
     def get_scaled_loss(self, loss: Any) -> Any:
         """tf_keras style `scale_loss`; also accepts a zero-argument callable."""
@@ -538,25 +579,30 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         ValueError: tfdls: apply() received gradients returned by a get_unscaled_gradients() call that an earlier apply()...
         """
         grads = list(grads)
-        scale = self.loss_scale()
+        variables = None if trainable_variables is None else list(trainable_variables)
+        if variables is not None and len(variables) != len(grads):
+            raise ValueError(
+                f"get_unscaled_gradients got {len(grads)} gradients for {len(variables)} "
+                "trainable_variables; they must match one to one."
+            )
+        if variables is not None and self._boundary_map is not None and not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(variables)
+            self.built = True
+        _, scale = self._scales(variables if self.built else None)
         how = _division.method(
             _division.scale_is_power_of_two(self.loss_scale), _compat.in_xla_context()
         )
         if self._boundary_map is None:
             unscaled = [None if g is None else _division.divide(g, scale, how) for g in grads]
         else:
-            variables = None if trainable_variables is None else list(trainable_variables)
-            if variables is None or len(variables) != len(grads):
+            if variables is None:
                 raise ValueError(
                     "With scale_boundaries, get_unscaled_gradients needs the variables of "
                     "the gradients (each is divided by its own boundaries' factors): pass "
                     "trainable_variables=[...] in the order of grads; got "
                     f"trainable_variables={trainable_variables!r}"
                 )
-            if not self.built:
-                with keras.name_scope(self.name, caller=self):
-                    self.build(variables)
-                self.built = True
             divisors, _ = self._boundary_divisors(scale, tf.constant(False), variables)
             unscaled = [
                 None if g is None
@@ -584,18 +630,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         scales = self._boundary_scales
         if totals is None:
-            totals = scales.totals(scales.exponents())
-        positions = []
-        for variable in trainable_variables:
-            try:
-                positions.append(self._get_variable_index(variable))
-            except KeyError:
-                raise ValueError(
-                    f"tfdls: the variable {getattr(variable, 'path', None) or variable.name!r} "
-                    "is not one this optimizer was built with, so it does not know which "
-                    "scale boundaries its gradient crossed. An optimizer updates the "
-                    "variables it was built with; make a new one for other variables."
-                ) from None
+            totals = scales.totals(scales.recorded_exponents())
+        positions = self._positions(trainable_variables)
         segments = len(scales.boundaries)
         if not segments:
             return [None] * len(positions), None
@@ -638,7 +674,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             grads, trainable_variables = self._arguments(grads, trainable_variables)
             if not grads:
                 return
-            self._unscaling.check(grads)
+            self._unscaling.check(
+                grads, [getattr(v, "path", None) or v.name for v in trainable_variables])
             self._check_boundaries_seen(grads, trainable_variables)
             plan = self._plan(grads, trainable_variables)
             self.step_plan = plan
@@ -756,17 +793,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _step(self, plan, grads, trainable_variables):
         """Executes `plan`: divide, check, update the scale, apply or skip."""
-        scale = self.loss_scale()  # the scale the gradients were multiplied by
+        # The scale the gradients were multiplied by: recorded by scale_loss,
+        # not re-read (an earlier apply of this step may have changed it).
+        live, scale = self._scales(trainable_variables)
+        if not self._scale_is_fixed():
+            self._record.mark_applied(self._positions(trainable_variables))
         # The unscaling rule, at run time: divide by 1 if get_unscaled_gradients
         # already divided this step's gradients.
         already_unscaled = self._unscaling.consume()
         divisor = tf.where(already_unscaled, tf.ones_like(scale), scale)
         boundary = None
         if self._boundary_scales is not None:
-            # The boundaries' exponents of this step, read once, before the
-            # update changes them: the gradients were scaled by these.
+            # The boundaries' exponents now (the adaptation starts from these)
+            # and the totals the backward pass multiplied the gradients by.
             exponents = self._boundary_scales.exponents()
-            totals = self._boundary_scales.totals(exponents)
+            totals = self._boundary_scales.totals(self._boundary_scales.recorded_exponents())
             boundary = (exponents, totals, already_unscaled)
             per_variable, segment_divisors = self._boundary_divisors(
                 divisor, already_unscaled, trainable_variables, totals
@@ -799,7 +840,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             boundary = boundary + (divisions,)
         checked = grads if plan.check == "scaled" else unscaled
         should_apply = self._update_loss_scale(
-            checked, unscaled, trainable_variables, scale, grads, boundary
+            checked, unscaled, trainable_variables, scale, live, grads, boundary
         )
         if self._stats is not None:
             # Figures of the scaled gradients: the gradients as given, times
@@ -834,8 +875,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._warn_fallback(audit.reason)
         _distribute.apply_if(should_apply, self.inner_optimizer.apply, (unscaled, trainable_variables))
 
-    def _update_loss_scale(self, checked, unscaled, trainable_variables, scale, grads=None,
-                           boundary=None):
+    def _update_loss_scale(self, checked, unscaled, trainable_variables, scale, live_scale,
+                           grads=None, boundary=None):
         """Decides whether this step applies (replica-agreed) and steps the scale.
 
         With scale boundaries (`boundary`: this step's exponents, segment
@@ -863,28 +904,33 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             counts = finite.nonfinite_counts(
                 finite.gradient_values([checked[i] for i in present]), across_replicas=True
             )
-        sum_may_overflow = tf.constant(False)
+        # A step whose sums could overflow is skipped too (naming its variables),
+        # whatever a custom scale decided; but a lower scale cannot help (the
+        # sums are of divided gradients), so such a veto leaves the scale.
         may_overflow = self._sums_may_overflow([unscaled[i] for i in present],
                                                [trainable_variables[i] for i in present])
-        if may_overflow is not None:
-            # A step whose sums could overflow is skipped too (names its
-            # variables), whatever a custom scale decided.
-            sum_may_overflow = tf.reduce_any(may_overflow)
-            nonfinite_counts = counts
-            counts = counts + tf.cast(may_overflow, tf.float32)
+        vetoed = tf.constant(False) if may_overflow is None else tf.reduce_any(may_overflow)
         global_shrinks = None
         if custom:
             # The custom decision, made the same on every replica.
             vetoes = tf.cast(tf.logical_not(should_apply), tf.float32)
-            is_finite = tf.logical_and(tf.equal(_distribute.sum_over_replicas(vetoes), 0.0),
-                                       tf.logical_not(sum_may_overflow))
+            all_finite = tf.equal(_distribute.sum_over_replicas(vetoes), 0.0)
+            is_finite = tf.logical_and(all_finite, tf.logical_not(vetoed))
         else:
-            is_finite = tf.equal(tf.reduce_sum(counts), 0.0)
+            all_finite = tf.equal(tf.reduce_sum(counts), 0.0)
+            is_finite = tf.logical_and(all_finite, tf.logical_not(vetoed))
             if with_boundaries:
                 global_shrinks = self._update_boundaries(
                     boundary, is_finite, counts, largest, positions, scale
                 )
-            loss_scale.update_from_decision(is_finite, shrink=global_shrinks)
+            # A skipped step resets the good-step count; only non-finite
+            # gradients the global scale answers for shrink it.
+            shrink = global_shrinks
+            if may_overflow is not None:
+                shrink = tf.logical_not(all_finite)
+                if global_shrinks is not None:
+                    shrink = tf.logical_and(shrink, global_shrinks)
+            loss_scale.update_from_decision(is_finite, shrink=shrink)
         num_variables = len(self._trainable_variables)
 
         def over_all_variables(flags):  # a bool vector over `present` -> over every variable
@@ -893,20 +939,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             indices = tf.constant(positions, tf.int32, shape=[len(positions), 1])
             return tf.scatter_nd(indices, tf.cast(flags, tf.float32), [num_variables]) > 0
 
+        mask = over_all_variables(counts > 0)
         sum_mask = None
-        if may_overflow is None:
-            mask = over_all_variables(counts > 0)
-        else:
+        if may_overflow is not None:
             # Reported apart: finite gradients whose sums could overflow.
-            mask = over_all_variables(nonfinite_counts > 0)
-            sum_mask = over_all_variables(tf.logical_and(may_overflow, nonfinite_counts == 0))
+            sum_mask = over_all_variables(tf.logical_and(may_overflow, counts == 0))
         min_loss_scale = getattr(loss_scale, "min_loss_scale", None)
         if min_loss_scale is None:
             stuck = tf.constant(False)
         else:
-            stuck = tf.logical_and(tf.logical_not(is_finite), scale <= min_loss_scale)
+            stuck = tf.logical_and(tf.logical_not(all_finite), live_scale <= min_loss_scale)
             if global_shrinks is not None:
                 stuck = tf.logical_and(stuck, global_shrinks)
+        if may_overflow is not None:
+            # A veto is stuck at any scale: min_scale_policy reports it.
+            stuck = tf.logical_or(stuck, vetoed)
         self._overflow.record(is_finite, mask, tf.cast(self.iterations, tf.int64), stuck,
                               sum_mask)
         return is_finite

@@ -124,9 +124,12 @@ def _stuck_message(step, names, min_loss_scale, headroom_bits=(), sum_names=()):
         causes.append(f"finite gradients whose sums could overflow for: {', '.join(sum_names)}")
         advice.append("sums of finite gradients overflow those variables' dtype (keep them in "
                       "float32, as mixed_float16 does, or make the gradients smaller)")
+    # Sums are vetoed at any scale; non-finite gradients alone are stuck at the minimum.
+    situation = (f"step {step} still produced" if sum_names else
+                 f"the loss scale is at its minimum ({min_loss_scale:g}) and step {step} "
+                 "still produced")
     return (
-        f"tfdls: the loss scale is at its minimum ({min_loss_scale:g}) and step {step} "
-        f"still produced {'; and '.join(causes)}. Lowering the scale cannot fix this: "
+        f"tfdls: {situation} {'; and '.join(causes)}. Lowering the scale cannot fix this: "
         f"{'; '.join(advice)}. "
         "Set min_scale_policy='ignore' on LossScaleOptimizer to silence this."
     )

@@ -1,0 +1,86 @@
+"""What multiplied a step's gradients: the scale `apply` divides by, recorded, not re-read.
+
+The rule, in one sentence:
+
+    `apply` divides by the scale that the last `scale_loss` (or
+    `get_scaled_loss`) multiplied by, unless one of the variables it is given
+    was already updated by this optimizer since that call; then (a loss
+    multiplied by `loss_scale()` by hand, which tfdls cannot see) by the
+    scale as it is now. (`get_unscaled_gradients` without its variables:
+    the recorded scale while any variable of the optimizer has not been
+    updated since that call.)
+
+`apply` changes the scale (one step of its state machine per `apply`), so the
+live scale is not what multiplied gradients that a second `apply` of the same
+step receives (the variables split between two calls, two optimizers on one
+loss). The record is three variables, written by `scale_loss` and by `apply`
+when the step runs, not when it is traced: the same rule in eager code,
+`tf.function`s, XLA, loops and across functions, with no branch and no host
+read. A scale boundary's factor is recorded the same way, by the backward
+pass that multiplied by it (`tfdls.boundaries`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from tfdls._distribute import state_variable
+
+
+class ScaleRecord(tf.Module):
+    """The recorded scale and, per variable, whether it may divide that variable's gradient.
+
+    Args:
+        name: the module name.
+    """
+
+    def __init__(self, name="scale_record"):
+        super().__init__(name=name)
+        with self.name_scope:
+            self.scale = state_variable("recorded_scale", 1.0, tf.float32)
+            # How many scale_loss calls recorded a scale; per variable, the
+            # count when it was last given to apply (made by `build`).
+            self.records = state_variable("records", 0, tf.int64)
+        self.applied_at = None
+
+    def build(self, count):
+        """Makes the per-variable state for an optimizer of `count` variables."""
+        with self.name_scope:
+            self.applied_at = state_variable("applied_at", np.zeros([count], np.int64), tf.int64)
+
+    def record(self, scale):
+        """`scale_loss`: `scale` multiplies this step's loss."""
+        self.scale.assign(scale)
+        self.records.assign_add(1)
+
+    def scale_for(self, live_scale, positions=None):
+        """The scale the gradients of the variables at `positions` (all, if None) were
+        multiplied by, as the rule says: the recorded one, or `live_scale`."""
+        records = tf.convert_to_tensor(self.records)
+        if self.applied_at is None:  # not built: nothing applied yet
+            fresh = records > 0
+        else:
+            applied_at = tf.convert_to_tensor(self.applied_at)
+            if positions is None:
+                # Gradients of unknown variables (`get_unscaled_gradients`
+                # without them): recorded while any variable awaits its update.
+                fresh = tf.reduce_any(applied_at < records)
+            else:
+                if not self._all(positions):
+                    applied_at = tf.gather(applied_at, tf.constant(positions, tf.int32))
+                fresh = tf.reduce_all(applied_at < records)
+        return tf.where(fresh, tf.convert_to_tensor(self.scale), live_scale)
+
+    def mark_applied(self, positions):
+        """`apply` received the gradients of the variables at `positions`."""
+        records = tf.convert_to_tensor(self.records)
+        if self._all(positions):
+            self.applied_at.assign(tf.fill(self.applied_at.shape, records))
+            return
+        mask = np.zeros(self.applied_at.shape, np.bool_)
+        mask[list(positions)] = True
+        self.applied_at.assign(tf.where(mask, records, self.applied_at))
+
+    def _all(self, positions):
+        return sorted(positions) == list(range(self.applied_at.shape[0]))
