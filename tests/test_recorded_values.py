@@ -625,6 +625,84 @@ def test_one_owner_two_applies_after_one_scale_loss_divide_by_the_backward_facto
     assert _factors(model) != at_start, "the head's apply should have moved a factor"
 
 
+@pytest.mark.parametrize("mode", slow_except(["eager", "function"], ["function"]))
+def test_a_backward_pass_between_two_applies_leaves_their_factors(mode, batch):
+    # Found by review: the head's apply adapts a factor (2**12 -> 1), then an
+    # input-gradient (saliency) pass runs through the model, then the backbone's
+    # apply: its gradients were multiplied by the factors of the step's
+    # scale_loss, and every backward pass of the step multiplies by those too
+    # (with factors read per backward pass, the saliency pass re-recorded the
+    # new factor and the backbone moved 4096x too far).
+    x, y = batch
+    model = _bounded_model(initial_log2_factor=12, adjust_period=1)
+    backbone, head = _split_model(model, head_layers=2)
+    opt = _optimizer(BOUNDARY_RATE, scale_boundaries=model)
+    opt.build(model.trainable_variables)
+    x_tensor = tf.constant(x)
+
+    def step():
+        with tf.GradientTape() as tape:
+            scaled = opt.scale_loss(_mse(model(x), y))
+        grads = tape.gradient(scaled, backbone + head)
+        opt.apply(grads[len(backbone):], head)
+        with tf.GradientTape() as saliency_tape:
+            saliency_tape.watch(x_tensor)
+            out = tf.reduce_sum(model(x_tensor))
+        saliency = saliency_tape.gradient(out, x_tensor)
+        opt.apply(grads[:len(backbone)], backbone)
+        return saliency
+
+    traced = _wrap(step, mode)
+    at_start = _factors(model)
+    for number in range(2):
+        truth = dense_gradients(model, x, y)
+        before = _numpy(model.trainable_variables)
+        saliency = traced()
+        _assert_sgd_update(before, _numpy(model.trainable_variables), truth,
+                           f"step {number}, factors -> {_factors(model)}")
+        assert np.all(np.isfinite(saliency.numpy()))
+    assert _factors(model) != at_start, "the head's apply should have moved a factor"
+
+
+@pytest.mark.parametrize("how", ["stop_gradient", "frozen"])
+@pytest.mark.parametrize("mode", slow_except(["eager", "function"], ["function"]))
+def test_a_teacher_sharing_the_layers_may_give_targets(mode, how, batch):
+    # Found by review: features of a model whose layers sit below owned
+    # boundaries, used as a student's targets (distillation), under the
+    # student's tape: no gradient reaches the teacher (tf.stop_gradient, or
+    # its layers frozen), so nothing is refused; the student's update is SGD
+    # on its own gradient.
+    x, _ = batch
+    teacher = _bounded_model()
+    tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=teacher)
+    # Its layers up to d1 (below the top boundary), outside the teacher.
+    features = keras.Sequential([keras.Input((3,))] + teacher.layers[:4])
+    assert features.layers[-1].name == "d1"
+    if how == "frozen":
+        teacher.trainable = False
+    student = keras.layers.Dense(WIDTH)
+    student.build((None, 3))
+    student_opt = keras.optimizers.SGD(BOUNDARY_RATE)
+
+    def step():
+        with tf.GradientTape() as tape:
+            target = features(x)
+            if how == "stop_gradient":
+                target = tf.stop_gradient(target)
+            loss = _mse(student(x), target)
+        student_opt.apply(tape.gradient(loss, student.trainable_variables),
+                          student.trainable_variables)
+        return target
+
+    before = _numpy(student.trainable_variables)
+    target = _wrap(step, mode)().numpy().astype(np.float64)
+    kernel, bias = before
+    upstream = 2.0 * (x.astype(np.float64) @ kernel + bias - target) / target.size
+    truth = [x.astype(np.float64).T @ upstream, upstream.sum(axis=0)]
+    for old, new, grad in zip(before, _numpy(student.trainable_variables), truth):
+        np.testing.assert_allclose(new, old - BOUNDARY_RATE * grad, rtol=1e-5, atol=1e-6)
+
+
 # -- rule D: a loss term below a boundary --------------------------------------------------
 #
 # Kept apart from the rest: the hardest of these rules to implement (it may be

@@ -98,6 +98,7 @@ def pinned(k):
 def test_boundary_is_an_identity_whose_gradient_is_scaled(dtype, exponent):
     boundary = tfdls.ScaleBoundary(**pinned(exponent))
     boundary._ownership.owned.assign(True)  # as LossScaleOptimizer(scale_boundaries=...) does
+    boundaries_lib.record_factors([boundary])  # and its scale_loss
     x = tf.constant(np.random.default_rng(0).normal(size=(3, 5)), dtype)
     with tf.GradientTape() as tape:
         tape.watch(x)
@@ -110,16 +111,26 @@ def test_boundary_is_an_identity_whose_gradient_is_scaled(dtype, exponent):
     np.testing.assert_array_equal(grad.numpy().astype(np.float64), expected)
 
 
-def test_boundary_reads_its_factor_at_backward_time():
+def test_boundary_multiplies_by_the_factor_scale_loss_recorded():
+    """The backward pass reads, when it runs, the factor its owner's last scale_loss
+    recorded (`record_factors`); a factor changed since takes effect at the next one."""
     boundary = tfdls.ScaleBoundary(max_log2_factor=15)
     boundary._ownership.owned.assign(True)
     x = tf.ones([2])
-    for exponent in (0, 7, 15):
-        boundary.log2_factor.assign(float(exponent))
+
+    def input_gradient():
         with tf.GradientTape() as tape:
             tape.watch(x)
             y = tf.reduce_sum(boundary(x))
-        assert tape.gradient(y, x).numpy().tolist() == [2.0**exponent] * 2
+        return tape.gradient(y, x).numpy().tolist()
+
+    recorded = 0
+    for exponent in (0, 7, 15):
+        boundary.log2_factor.assign(float(exponent))
+        assert input_gradient() == [2.0**recorded] * 2  # not yet recorded
+        boundaries_lib.record_factors([boundary])
+        recorded = exponent
+        assert input_gradient() == [2.0**exponent] * 2
 
 
 @pytest.mark.parametrize(

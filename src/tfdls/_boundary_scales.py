@@ -113,8 +113,8 @@ class BoundaryScales(tf.Module):
         return boundaries_lib.integer_exponent(values, tree.mins, tree.maxs)
 
     def recorded_exponents(self):
-        """The exponent per boundary that the last backward pass through it multiplied by
-        (a float32 vector): what the gradients carry, to divide by."""
+        """The exponent per boundary that this step's backward passes multiplied by (a
+        float32 vector, recorded by the last `scale_loss`): what the gradients carry."""
         if not self._tree.count:
             return tf.zeros([0])
         return tf.stack([b._ownership.recorded_exponent.value() for b in self.boundaries])

@@ -1,7 +1,10 @@
 """Reading the scale boundaries' factors in the backward pass: once per group, where exact.
 
-A boundary's factor is ``2**e``, ``e`` its `log2_factor` read as an integer
-within its bounds (`integer_exponent`), and 0 while no optimizer owns it.
+A boundary's factor is ``2**e``, ``e`` the exponent its owner's last
+`scale_loss` recorded from `log2_factor` (read as an integer within its
+bounds, `integer_exponent`; `boundaries.record_factors`), and 0 while no
+optimizer owns it: every backward pass of a step multiplies by the same
+factors, which `apply` divides by.
 That reading is a dozen TensorFlow operations, and outside XLA each one costs
 about a microsecond to dispatch: a model with a boundary after every layer
 paid it per boundary, in the backward pass. In a traced function the first
@@ -61,8 +64,8 @@ def owned_exponents(log2_factors, owned, low, high):
 
 
 def factor(boundary, dtype):
-    """`boundary`'s exponent (float32) and factor (a scalar of `dtype`) for this backward pass
-    (see the module docstring)."""
+    """`boundary`'s factor for this backward pass, a scalar of `dtype` (see the module
+    docstring)."""
     group = boundary._ownership.group
     if group is None or tf.executing_eagerly():
         return _read_one(boundary, dtype)
@@ -71,7 +74,8 @@ def factor(boundary, dtype):
         return _read_one(boundary, dtype)
     try:
         # Under a distribution strategy these are the replica's own copies.
-        handles = tuple(b.log2_factor.handle for b in group.boundaries) + (group.owned.handle,)
+        handles = (tuple(b._ownership.recorded_exponent.handle for b in group.boundaries)
+                   + (group.owned.handle,))
     except (ValueError, AttributeError):  # no replica's copy here: cross-replica context
         return _read_one(boundary, dtype)
     readings = _readings.setdefault(graph, {})
@@ -114,7 +118,6 @@ class _GroupReading:
         self.graph_handles = [r.op.inputs[0].name for r in reads]
         self.created = max(r.op._id for r in reads)
         exponents = owned_exponents(tf.stack(reads[:-1]), owned, group.low, group.high)
-        self.exponents = [t.name for t in tf.unstack(exponents, len(group.boundaries))]
         self.factors = power_of_two(tf.cast(exponents, tf.int32)).name
         self.by_dtype = {}  # dtype -> the names of the factors in that dtype
 
@@ -129,12 +132,11 @@ class _GroupReading:
         if dtype not in self.by_dtype:
             factors = tf.cast(graph.get_tensor_by_name(self.factors), dtype)
             self.by_dtype[dtype] = [t.name for t in tf.unstack(factors, len(self.group.boundaries))]
-        k = self.group.index[id(boundary)]
-        return (graph.get_tensor_by_name(self.exponents[k]),
-                graph.get_tensor_by_name(self.by_dtype[dtype][k]))
+        return graph.get_tensor_by_name(self.by_dtype[dtype][self.group.index[id(boundary)]])
 
 
 def _read_one(boundary, dtype):
-    exponent = owned_exponents(boundary.log2_factor.value, boundary._ownership.owned,
+    exponent = owned_exponents(boundary._ownership.recorded_exponent.value(),
+                               boundary._ownership.owned,
                                boundary.min_log2_factor, boundary.max_log2_factor)
-    return exponent, tf.cast(power_of_two(tf.cast(exponent, tf.int32)), dtype)
+    return tf.cast(power_of_two(tf.cast(exponent, tf.int32)), dtype)

@@ -16,8 +16,8 @@ step receives (the variables split between two calls, two optimizers on one
 loss). The record is three variables, written by `scale_loss` and by `apply`
 when the step runs, not when it is traced: the same rule in eager code,
 `tf.function`s, XLA, loops and across functions, with no branch and no host
-read. A scale boundary's factor is recorded the same way, by the backward
-pass that multiplied by it (`tfdls.boundaries`).
+read. Scale boundaries' factors are recorded by `scale_loss` too, and every
+backward pass of the step multiplies by them (`tfdls.boundaries.record_factors`).
 """
 
 from __future__ import annotations

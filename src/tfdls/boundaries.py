@@ -242,11 +242,9 @@ def _identity_scaling_gradient(x, boundary):
         def backward(upstream):
             upstream = _dense(upstream)
             boundary._ownership.backward_calls += 1
-            exponent, factor = _factor_readings.factor(boundary, upstream.dtype)
-            # What multiplied this gradient, for the optimizer to divide by
-            # (`tfdls._record`): its adaptation may change the factor before
-            # every apply of this step has run.
-            boundary._ownership.recorded_exponent.assign(exponent)
+            # The factor its owner's last scale_loss recorded: the same for every
+            # backward pass and every apply of the step (`tfdls._record`).
+            factor = _factor_readings.factor(boundary, upstream.dtype)
             scaled = _first_order_only(upstream * factor, boundary)
             seen.add(scaled, (boundary,))
             return scaled
@@ -417,9 +415,10 @@ class _Ownership:
     def __init__(self):
         with tf.init_scope():
             self.owned = tf.Variable(False, trainable=False, name="owned")
-            # The exponent the last backward pass multiplied by (0 while not
-            # owned; the factor in force when ownership is taken); each replica
-            # records its own (ON_READ), in its backward pass.
+            # The exponent of this step: what every backward pass multiplies by and
+            # the optimizer divides by. Recorded from `log2_factor` when ownership
+            # is taken and by the owner's scale_loss (`record_factors`); each
+            # replica records its own copy (ON_READ), in replica context.
             self.recorded_exponent = tf.Variable(
                 0.0, trainable=False, name="recorded_exponent",
                 synchronization=tf.VariableSynchronization.ON_READ,
@@ -625,12 +624,14 @@ def take_ownership(boundary_map: "BoundaryMap") -> None:
 
 # -- losses that enter below a boundary ---------------------------------------------
 #
-# The rule: under a GradientTape, a layer below an owned boundary runs only inside
-# a call of the model that was given to the optimizer. A loss term computed from
-# an inner activation by calling such a layer directly (deep supervision, an
-# auxiliary head, a feature extractor sharing the layers) reaches its variables
-# without the boundaries' factors, which the optimizer divides out: refused when
-# the layer is called, eagerly and at trace time alike.
+# The rule: a gradient reaches a layer below an owned boundary only through a call
+# of the model that was given to the optimizer. A loss term computed from an inner
+# activation by calling such a layer directly (deep supervision, an auxiliary
+# head, a feature extractor sharing the layers) reaches its variables without the
+# boundaries' factors, which the optimizer divides out: such a call, made under a
+# GradientTape, returns its outputs through an identity whose backward pass
+# raises. Eagerly and traced alike; a call whose outputs no gradient flows into
+# (inference, a target under `tf.stop_gradient`) and a frozen layer are unaffected.
 
 # {layer below a boundary: (its owned model, the boundary above it)}, and the
 # owned models whose call is wrapped; weak.
@@ -647,66 +648,92 @@ def _calls_in_progress():
     return _models_in_call.stack
 
 
-def _wrap_call(layer, before):
-    """Runs `before(layer)` ahead of every call of `layer`; once per layer."""
+def _wrap_model_call(model):
+    original = model.call
+
+    def call(*args, **kwargs):
+        stack = _calls_in_progress()
+        stack.append(model)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            stack.pop()
+
+    call.__wrapped__ = original
+    model.call = call
+
+
+def _wrap_layer_call(layer):
     original = layer.call
 
     def call(*args, **kwargs):
-        with before(layer):
-            return original(*args, **kwargs)
+        outputs = original(*args, **kwargs)
+        model_ref, boundary_ref = _guarded_layers[layer]
+        model = model_ref()
+        if (model is None or any(m is model for m in _calls_in_progress())
+                or not _compat.tape_may_record()):
+            return outputs
+        if not layer.trainable_weights and not isinstance(layer, UnscaledInput):
+            # Nothing of its own to update wrongly (a frozen layer): layers below
+            # it that can be updated are refused by their own calls.
+            return outputs
+        message = _outside_message(layer, boundary_ref(), model)
+        return tf.nest.map_structure(
+            lambda t: _refused_gradient(t, message)
+            if isinstance(t, tf.Tensor) and t.dtype.is_floating else t, outputs)
 
     call.__wrapped__ = original
     layer.call = call
 
 
-class _ModelCall:
-    def __init__(self, model):
-        self.model = model
+def _outside_message(layer, boundary, model):
+    return (
+        f"tfdls: a gradient flowed into the layer {layer.name!r}, which is below the scale "
+        f"boundary {getattr(boundary, 'name', '?')!r}, from a call outside its model "
+        f"{model.name!r} (a loss on an inner activation: deep supervision, an auxiliary "
+        "head, a feature extractor that shares its layers). Such a term's gradient "
+        "reaches the layer's variables without the boundaries' factors that the optimizer "
+        "divides out, so their update would be wrong. Compute such terms from a model "
+        "without scale boundaries or keep them above every boundary; for a target "
+        "(distillation, a perceptual loss), wrap it in tf.stop_gradient or freeze those "
+        "layers (trainable=False)."
+    )
 
-    def __enter__(self):
-        _calls_in_progress().append(self.model)
 
-    def __exit__(self, *exc):
-        _calls_in_progress().pop()
+def _refused_gradient(tensor, message):
+    @tf.custom_gradient
+    def identity(value):
+        def backward(upstream):
+            raise ValueError(message)
 
+        return tf.identity(value), backward
 
-class _GuardedCall:
-    def __init__(self, layer):
-        self.layer = layer
-
-    def __enter__(self):
-        model_ref, boundary_ref = _guarded_layers[self.layer]
-        model = model_ref()
-        if model is None or any(m is model for m in _calls_in_progress()):
-            return
-        if not _compat.tape_may_record():
-            return  # not differentiated: inference through the layers is fine
-        boundary = boundary_ref()
-        raise ValueError(
-            f"tfdls: the layer {self.layer.name!r} is below the scale boundary "
-            f"{getattr(boundary, 'name', '?')!r} and was called, under a GradientTape, "
-            f"outside a call of its model {model.name!r} (a loss on an inner activation: "
-            "deep supervision, an auxiliary head, a feature extractor that shares its "
-            "layers). Such a term's gradient reaches the layer's variables without the "
-            "boundaries' factors that the optimizer divides out, so their update would be "
-            "wrong. Compute such terms from a model without scale boundaries, or keep "
-            "them above every boundary."
-        )
-
-    def __exit__(self, *exc):
-        return False
+    return identity(tensor)
 
 
 def guard_layers_below(model, boundary_map: "BoundaryMap") -> None:
     """Installs the rule above for `model`'s layers below boundaries (see the comment)."""
     if model not in _wrapped_models:
         _wrapped_models.add(model)
-        _wrap_call(model, _ModelCall)
+        _wrap_model_call(model)
     for layer, boundary in boundary_map.layers_below:
         wrapped = layer in _guarded_layers
         _guarded_layers[layer] = (weakref.ref(model), weakref.ref(boundary))
         if not wrapped:
-            _wrap_call(layer, _GuardedCall)
+            _wrap_layer_call(layer)
+
+
+def record_factors(boundaries) -> None:
+    """`scale_loss`: the factors now (`ScaleBoundary.exponent`) become this step's, which
+    every backward pass multiplies by and `apply` divides by until the next call."""
+    if not boundaries:
+        return
+    values = tf.stack([b.log2_factor.value for b in boundaries])
+    low = np.array([b.min_log2_factor for b in boundaries], np.float32)
+    high = np.array([b.max_log2_factor for b in boundaries], np.float32)
+    exponents = integer_exponent(values, low, high)
+    for boundary, exponent in zip(boundaries, tf.unstack(exponents, len(boundaries))):
+        boundary._ownership.recorded_exponent.assign(exponent)
 
 
 def owned_boundaries_above(variable) -> list:

@@ -217,7 +217,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """Wraps a Keras 3 optimizer with (dynamic) loss scaling.
 
     The loss is multiplied by the current scale before differentiation; the
-    gradients are divided by it before the inner optimizer sees them. A step
+    gradients are divided by that scale, as `scale_loss` recorded it (see
+    `tfdls._record`), before the inner optimizer sees them. A step
     whose gradients hold any NaN/Inf applies nothing (weights, optimizer slots
     and `iterations` stay exactly as they were) and the loss scale shrinks.
 
@@ -494,6 +495,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale = self.loss_scale()
         if not self._scale_is_fixed():
             self._record.record(scale)
+        if self._boundary_map is not None:
+            # The factors this step's backward passes multiply by and its
+            # applies divide by: an adaptation takes effect from here.
+            boundaries_lib.record_factors(self._boundary_map.boundaries)
         return keras.ops.multiply(loss, scale)
 
     def _scale_is_fixed(self):
@@ -667,9 +672,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @_NOT_CONVERTED
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
-        """Divides `grads` by the scale (see `get_unscaled_gradients` for when
-        not), updates the loss scale, and applies them with the inner optimizer
-        iff all are finite."""
+        """Divides `grads` by the scale `scale_loss` recorded (see `tfdls._record`;
+        and `get_unscaled_gradients` for when not at all), updates the loss
+        scale, and applies them with the inner optimizer iff all are finite."""
         try:
             grads, trainable_variables = self._arguments(grads, trainable_variables)
             if not grads:
