@@ -39,8 +39,18 @@ def _exact(values):
 def _partial_sums(values):
     """Left-to-right sums in the values' own dtype, each addition rounded (NumPy's
     accumulate rounds every step to the dtype, as a loop of scalar additions does)."""
+    values = np.asarray(values)
     with np.errstate(over="ignore", invalid="ignore"):
-        return np.add.accumulate(values)
+        if values.dtype != tf.bfloat16.as_numpy_dtype:
+            return np.add.accumulate(values)
+        # bfloat16: one scalar addition at a time (the oldest supported pair's
+        # ml_dtypes, 0.3, segfaults in np.add.accumulate over bfloat16).
+        sums = np.empty_like(values)
+        running = values[0] if values.size else None
+        for k, value in enumerate(values):
+            running = value if k == 0 else values.dtype.type(running + value)
+            sums[k] = running
+        return sums
 
 
 def _make_terms(dtype, n, seed, start_log2, ratchet_share, flip_share, big_share=0.0):
