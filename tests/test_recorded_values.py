@@ -195,13 +195,14 @@ def test_an_overflowing_first_apply_leaves_the_second_divided_by_the_recorded_sc
     _assert_state(opt, a, b, values, reference)
 
 
+@pytest.mark.parametrize("named", [True, False])
 @pytest.mark.parametrize("mode", slow_except(MODES, ["function"]))
-def test_get_unscaled_gradients_after_an_apply_divides_by_the_recorded_scale(mode):
+def test_get_unscaled_gradients_after_an_apply_divides_by_the_recorded_scale(mode, named):
     # scale_loss records 1024; a's apply grows the scale to 2048; b's gradient,
-    # unscaled afterwards, is still 5 * 1024 / 1024 (the original: 2.5). b is
-    # named (trainable_variables=): b was not updated since the scale_loss, so
-    # the recorded scale applies to it. (Without the variables the optimizer
-    # cannot tell b's gradient from a hand-scaled one of a: not tested here.)
+    # unscaled afterwards, is still 5 * 1024 / 1024 (the original: 2.5). Named
+    # (trainable_variables=): b was not updated since the scale_loss, so the
+    # recorded scale applies to it. Not named: the recorded scale while any
+    # variable (here b) awaits its update since the scale_loss.
     a, b = _variables()
     opt = _optimizer()
     opt.build([a, b])
@@ -211,7 +212,7 @@ def test_get_unscaled_gradients_after_an_apply_divides_by_the_recorded_scale(mod
             scaled = opt.get_scaled_loss(3.0 * a + 5.0 * tf.reduce_sum(b))
         g_a, g_b = tape.gradient(scaled, [a, b])
         opt.apply_gradients([(g_a, a)])
-        (u_b,) = opt.get_unscaled_gradients([g_b], trainable_variables=[b])
+        (u_b,) = opt.get_unscaled_gradients([g_b], trainable_variables=[b] if named else None)
         opt.apply_gradients([(u_b, b)])
         return u_b
 
