@@ -424,7 +424,8 @@ CASES.update({
         (_gradient_penalty, ValueError, r"gradient of a gradient through UnscaledInput '.*'"),
     ],
     "an input gradient through a feature extractor sharing a boundary model's `UnscaledInput` but stopping below a boundary": [
-        (_feature_extractor, ValueError, r"UnscaledInput '.*' did not cross the scale boundaries \['b'\]"),
+        (_feature_extractor, ValueError, r"a gradient flowed into the layer 'low', which is below "
+                                         r"the scale boundary 'b', from a call outside its model"),
     ],    "a float64 variable below more than 59 nested boundaries": [
         (_deep_float64, ValueError, r"variable '.*/kernel' is float64 and below 61 nested scale boundaries, more than 59"),
     ],
