@@ -106,11 +106,9 @@ class BoundaryScales(tf.Module):
     def exponents(self):
         """This step's exponent per boundary (a float32 vector), read once: each
         factor read as `ScaleBoundary.exponent` reads it, all at once."""
-        tree = self._tree
-        if not tree.count:
+        if not self._tree.count:
             return tf.zeros([0])
-        values = tf.stack([b.log2_factor.value for b in self.boundaries])
-        return boundaries_lib.integer_exponent(values, tree.mins, tree.maxs)
+        return boundaries_lib.current_exponents(self.boundaries)
 
     def recorded_exponents(self):
         """The exponent per boundary that this step's backward passes multiplied by (a

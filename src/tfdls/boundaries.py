@@ -616,7 +616,7 @@ def take_ownership(boundary_map: "BoundaryMap") -> None:
     for boundary in boundary_map.boundaries:
         with tf.init_scope():  # now, even inside a trace: a group's members are owned
             boundary._ownership.owned.assign(True)
-            # Until a backward pass records its own: the factor in force.
+            # Until its owner's first scale_loss records them: the factor in force.
             boundary._ownership.recorded_exponent.assign(boundary.exponent())
         boundary._ownership.group = group
     _mark(boundary_map, _OWNED_ABOVE)
@@ -728,12 +728,18 @@ def record_factors(boundaries) -> None:
     every backward pass multiplies by and `apply` divides by until the next call."""
     if not boundaries:
         return
+    exponents = current_exponents(boundaries)
+    for boundary, exponent in zip(boundaries, tf.unstack(exponents, len(boundaries))):
+        boundary._ownership.recorded_exponent.assign(exponent)
+
+
+def current_exponents(boundaries):
+    """The factors now, one vector read: each `log2_factor` read as `ScaleBoundary.exponent`
+    reads it, within its layer's bounds."""
     values = tf.stack([b.log2_factor.value for b in boundaries])
     low = np.array([b.min_log2_factor for b in boundaries], np.float32)
     high = np.array([b.max_log2_factor for b in boundaries], np.float32)
-    exponents = integer_exponent(values, low, high)
-    for boundary, exponent in zip(boundaries, tf.unstack(exponents, len(boundaries))):
-        boundary._ownership.recorded_exponent.assign(exponent)
+    return integer_exponent(values, low, high)
 
 
 def owned_boundaries_above(variable) -> list:
