@@ -15,7 +15,7 @@ import functools
 import numpy as np
 import tensorflow as tf
 
-from tfdls import _distribute
+from tfdls import _compat, _distribute, _division, finite
 from tfdls import boundaries as boundaries_lib
 
 
@@ -63,19 +63,27 @@ class _Tree:
 class BoundaryScales(tf.Module):
     """The per-step arithmetic of a model's boundaries, for one optimizer.
 
-    Made by `LossScaleOptimizer.build` from a `BoundaryMap` and the variables
-    it was built with; keeps a record of the boundaries lowered on the last
+    The one object through which per-layer scales plug into
+    `LossScaleOptimizer` (None there without boundaries): made by
+    `set_scale_boundaries` from the model's `BoundaryMap`, built with the
+    optimizer's variables; `begin_step` serves one step (`BoundaryStep`),
+    `divisors` / `unscale` serve `get_unscaled_gradients`, `check_given` the
+    gradients given. Keeps a record of the boundaries lowered on the last
     skipped step (diagnostics, like `tfdls.overflow.OverflowRecord`).
 
     Args:
         boundary_map: the model's `BoundaryMap`.
-        variables: the variables the optimizer was built with.
     """
 
-    def __init__(self, boundary_map, variables):
+    def __init__(self, boundary_map):
         super().__init__(name="scale_boundaries")
         self.map = boundary_map
         self.boundaries = boundary_map.boundaries
+        self.names = [b.name for b in self.boundaries]
+        self.built = False
+
+    def build(self, variables):
+        """Places the optimizer's variables (in its order) below their boundaries."""
         self.lowered = _distribute.state_variable(
             "lowered_on_last_overflow", np.zeros([len(self.boundaries)], np.bool_), tf.bool
         )
@@ -83,7 +91,7 @@ class BoundaryScales(tf.Module):
         self.positions_of_segment = [[] for _ in range(len(self.boundaries) + 1)]
         self.segment_of = []
         for position, variable in enumerate(variables):
-            chain = boundary_map.chain_of(variable)
+            chain = self.map.chain_of(variable)
             if chain is None:
                 raise ValueError(
                     f"tfdls: the variable {getattr(variable, 'path', variable.name)!r} is not "
@@ -97,7 +105,7 @@ class BoundaryScales(tf.Module):
             segment = 0 if not chain else 1 + chain[0]
             self.segment_of.append(segment)
             self.positions_of_segment[segment].append(position)
-        self.names = [b.name for b in self.boundaries]
+        self.built = True
 
     @functools.cached_property
     def _tree(self):
@@ -213,3 +221,170 @@ class BoundaryScales(tf.Module):
     def lowered_names(self):
         """Host read: the boundaries lowered on the last skipped step."""
         return tuple(n for n, hit in zip(self.names, self.lowered.numpy()) if hit)
+
+    # -- the plug-in: what a step asks of the boundaries -------------------------------
+
+    @functools.cached_property
+    def max_exponent(self):
+        """A static bound of |log2(loss scale * boundary factors)|."""
+        depth = len(self.boundaries)
+        bound = max(abs(boundaries_lib.MIN_LOG2_FACTOR), boundaries_lib.MAX_LOG2_FACTOR)
+        return 128 + bound * depth
+
+    def divisors(self, divisor, already_unscaled, positions, totals=None):
+        """Per position: None (no boundary above it), or ``(exponent, pieces)`` to divide its
+        gradient by with `_division.divide_by_power_of_two`; and the same per segment below
+        a boundary as vectors ``(exponents, pieces)`` (None without such segments).
+
+        The divisor of a variable below boundaries is ``2**(log2(divisor) + T)``,
+        T the sum of the exponents of the boundaries above it; 1 where the
+        gradients are already unscaled. Computed once per segment, as vectors;
+        `pieces` (`_division.reciprocal_pieces`) only inside XLA.
+        """
+        if totals is None:
+            totals = self.totals(self.recorded_exponents())
+        segments = len(self.boundaries)
+        if not segments:
+            return [None] * len(positions), None
+        exponents = _division.exponent_of(divisor) + tf.cast(totals[1:], tf.int32)
+        exponents = tf.where(already_unscaled, tf.zeros_like(exponents), exponents)
+        by_segment = [(e, None) for e in tf.unstack(exponents, segments)]
+        pieces = None
+        if _compat.in_xla_context():
+            pieces = _division.reciprocal_pieces(exponents, self.max_exponent)
+            # [pieces, segments] -> per segment, its pieces.
+            per_segment = tf.unstack(tf.stack(pieces, axis=1), segments)
+            by_segment = [(e, tf.unstack(p)) for (e, _), p in zip(by_segment, per_segment)]
+        per_position = [None if self.segment_of[p] == 0 else by_segment[self.segment_of[p] - 1]
+                        for p in positions]
+        return per_position, (exponents, pieces)
+
+    def divide(self, grad, divisor):
+        """`grad` divided by `divisor` (one of `divisors`), recorded as divided: a gradient
+        that depends on it (a joint clip by global norm) carries no factor of these
+        boundaries."""
+        exponent, pieces = divisor
+        divided = _division.divide_by_power_of_two(grad, exponent, self.max_exponent, pieces)
+        for tensor in boundaries_lib._tensors_of(divided):
+            boundaries_lib.seen.add(tensor, self.boundaries, divides=True)
+        return divided
+
+    def unscale(self, grads, positions, scale, how):
+        """`get_unscaled_gradients`: each gradient divided by the scale times its factors."""
+        divisors, _ = self.divisors(scale, tf.constant(False), positions)
+        return [None if g is None
+                else _division.divide(g, scale, how) if d is None
+                else self.divide(g, d)
+                for g, d in zip(grads, divisors)]
+
+    def check_given(self):
+        """Refuses a step whose model added a loss below a boundary (read at trace time)."""
+        for layer, boundary in self.map.layers_with_losses():
+            raise ValueError(
+                f"tfdls: the layer {layer.name!r} is below the scale boundary "
+                f"{boundary.name!r} "
+                "and its last call added a loss (add_loss, or a regularizer of a layer "
+                "inside it): that term reaches its variables without crossing the "
+                "boundary, so their gradients would mix two scales. Add the term in a "
+                "layer above every boundary, or move the boundary below this layer."
+            )
+
+    def begin_step(self, division, positions, iterations):
+        """This step's part of the boundaries (`BoundaryStep`), for the gradients of the
+        variables at `positions`."""
+        return BoundaryStep(self, division, positions, iterations)
+
+
+class BoundaryStep:
+    """The boundaries' part of one `LossScaleOptimizer` step (see `tfdls._step`).
+
+    Reads the factors now (the adaptation starts from these) and the totals
+    the backward pass multiplied the gradients by (recorded by `scale_loss`),
+    then answers the step's questions: each gradient's divisor, the check
+    (each gradient divided by its own divisor, once, through its largest
+    magnitude), the adaptation, and the factors for gradient statistics.
+    """
+
+    def __init__(self, scales, division, positions, iterations):
+        self.scales = scales
+        self.division = division
+        self.iterations = iterations
+        self.exponents = scales.exponents()
+        self.totals = scales.totals(scales.recorded_exponents())
+        self.per_position, self.segment_divisors = scales.divisors(
+            division.divisor, division.already_unscaled, positions, self.totals)
+        self.segments = [scales.segment_of[p] for p in positions]
+
+    def divisor_of(self, i):
+        """The divisor of gradient `i` (None: above every boundary, divided by the scale)."""
+        return self.per_position[i]
+
+    def divide(self, grad, i):
+        return self.scales.divide(grad, self.per_position[i])
+
+    def factor_of(self, i):
+        """The boundaries' factor gradient `i` carries (None above every boundary)."""
+        segment = self.segments[i]
+        return tf.pow(2.0, self.totals[segment]) if segment else None
+
+    def check(self, grads, present, divides):
+        """Per present gradient: how many replicas saw a non-finite gradient *after* its
+        division, and its largest scaled magnitude (float32), both the same on every replica.
+
+        A boundary's factor may be below 1 (a negative exponent, or a loss scale
+        below 1), so a finite gradient can overflow when divided. Dividing is
+        monotonic in magnitude, so the quotient of the largest magnitude
+        (`finite.largest_magnitudes`, +inf for NaN/Inf) by the gradient's own
+        divisor is finite exactly when every element's is: one reading of
+        each gradient answers both the check and the adaptation. The
+        quotients are computed per kind of division and dtype as vectors
+        (elementwise, the same arithmetic as each gradient's), so a step
+        costs a few operations, not a few per gradient.
+        """
+        largest = finite.largest_magnitudes(finite.gradient_values([grads[i] for i in present]))
+        groups = {}
+        for k, i in enumerate(present):
+            kind = ("value" if not divides[i]
+                    else "scale" if self.per_position[i] is None else "boundaries")
+            groups.setdefault((kind, largest[k].dtype), []).append(k)
+        bad, magnitudes, order = [], [], []
+        for (kind, _), members in groups.items():
+            stacked = tf.stack([largest[k] for k in members])
+            if kind == "value":
+                quotient = self.division.as_value(stacked)
+            elif kind == "scale":
+                quotient = self.division.by_scale(stacked)
+            else:
+                quotient = _division.divide_by_power_of_two(
+                    stacked, *self._gather_divisors([self.segments[present[k]] - 1
+                                                     for k in members]))
+            bad.append(tf.logical_not(tf.math.is_finite(quotient)))
+            magnitudes.append(tf.cast(stacked, tf.float32))
+            order += members
+        bad, magnitudes = tf.concat(bad, 0), tf.concat(magnitudes, 0)
+        if order != sorted(order):  # back to the order of `present`
+            inverse = np.argsort(order).astype(np.int32)
+            bad, magnitudes = tf.gather(bad, inverse), tf.gather(magnitudes, inverse)
+        counts = _distribute.sum_over_replicas(tf.cast(bad, tf.float32))
+        return counts, _distribute.max_over_replicas(magnitudes)
+
+    def _gather_divisors(self, indices):
+        """``(exponent, max_exponent, pieces)`` of segments `indices` (1 below boundary 0),
+        as vectors: elementwise what each gradient of those segments is divided by."""
+        exponents, pieces = self.segment_divisors
+        indices = tf.constant(indices, tf.int32)
+        return (tf.gather(exponents, indices), self.scales.max_exponent,
+                None if pieces is None else [tf.gather(p, indices) for p in pieces])
+
+    def adapt(self, is_finite, counts, largest, positions):
+        """The boundaries' step (`BoundaryScales.update`); returns whether the loss scale
+        answers this step's overflow (no boundary below could go lower)."""
+        scales = self.scales
+        bad, largest_exponents = scales.segment_figures(counts, largest, positions)
+        # Gradients given already unscaled: their scaled values are larger by
+        # 2**(log2(scale) + T).
+        scale_bits = tf.cast(_division.exponent_of(self.division.scale), tf.float32)
+        largest_exponents = largest_exponents + tf.where(
+            self.division.already_unscaled, scale_bits + self.totals, 0.0)
+        return scales.update(self.exponents, self.totals, is_finite, bad, largest_exponents,
+                             self.iterations)

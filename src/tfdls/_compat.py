@@ -163,13 +163,12 @@ def _lookup():
     internal = getattr(getattr(tf, "__internal__", None), "distribute", None)
     if not hasattr(internal, "strategy_supports_no_merge_call"):  # pragma: no cover
         raise _missing("tf.__internal__.distribute.strategy_supports_no_merge_call")
-    tracking = _require("keras.src.utils.tracking", "no_automatic_dependency_tracking")
     summary_pb2 = _require("tensorflow.core.framework.summary_pb2")
     record = _require("tensorflow.python.eager.record", "could_possibly_record")
     for name in OPTIMIZER_METHODS:
         if not callable(getattr(keras.optimizers.Optimizer, name, None)):  # pragma: no cover
             raise _missing(f"keras.optimizers.Optimizer.{name}")
-    return control_flow_util, tf_config, func_graphs, internal, tracking, summary_pb2, record
+    return control_flow_util, tf_config, func_graphs, internal, summary_pb2, record
 
 
 # Private members of keras.optimizers.Optimizer that tfdls' subclass uses,
@@ -178,7 +177,10 @@ OPTIMIZER_METHODS = (
     "_get_variable_index",  # positions of variables (overflow attribution)
     "_check_variables_are_known",  # Keras' own "unknown variable" error
 )
-OPTIMIZER_ATTRIBUTES = ("_trainable_variables",)  # set in Optimizer.__init__
+OPTIMIZER_ATTRIBUTES = (
+    "_trainable_variables",  # set in Optimizer.__init__
+    "_variables",  # the optimizer's own variables (iterations, learning rate)
+)
 
 
 def check_optimizer_instance(optimizer):
@@ -194,12 +196,9 @@ check_versions()
     _tf_config,
     _func_graphs,
     _internal_distribute,
-    _tracking,
     summary_pb2,
     _record,
 ) = _lookup()
-
-no_automatic_dependency_tracking = _tracking.no_automatic_dependency_tracking
 
 
 def in_xla_context():
@@ -227,3 +226,57 @@ def op_determinism_enabled():
 def strategy_supports_no_merge_call():
     """The current strategy can run optimizer updates without `merge_call`."""
     return _internal_distribute.strategy_supports_no_merge_call()
+
+
+# -- private members of Keras and TensorFlow objects, read where tfdls needs them --
+# (attributes, so looked up when used; each names what breaks if Keras moves it)
+
+
+def gradient_accumulator(optimizer, variable):
+    """The gradient accumulator Keras keeps for `variable` in `optimizer` (that of the
+    sub-optimizer updating it, in a `MultiOptimizer`), or None where it accumulates none.
+
+    Keras keeps the micro-batches' maximum, not their sum, for an
+    ``overwrite_with_gradient`` variable: no accumulator to read.
+    """
+    if getattr(variable, "overwrite_with_gradient", False):
+        return None
+    if getattr(optimizer, "_var_to_optimizer_idx", None) is not None:  # MultiOptimizer
+        index = optimizer._var_to_optimizer_idx[optimizer._var_key(variable)]
+        optimizer = optimizer.optimizers[index]
+    if not getattr(optimizer, "gradient_accumulation_steps", None):
+        return None
+    return optimizer._accumulated_gradients[optimizer._get_variable_index(variable)]
+
+
+def cond_branch_graphs(op):
+    """The (true, false) branch graphs of an ``If`` / ``StatelessIf`` op (None for another op)."""
+    return getattr(op, "_true_graph", None), getattr(op, "_false_graph", None)
+
+
+def op_creation_order(op):
+    """An op's creation counter in its graph (later ops have larger values)."""
+    return op._id
+
+
+def nodes_by_depth(model):
+    """A functional model's ``{depth: [node]}`` (depth 0: the output nodes); None for
+    a model that is not a graph of layers."""
+    return getattr(model, "_nodes_by_depth", None)
+
+
+def outputs_structure(model):
+    """A functional model's outputs, in the structure it returns them (None if unknown)."""
+    return getattr(model, "_outputs_struct", None)
+
+
+def underlying_variable(variable):
+    """The `tf.Variable` a Keras variable holds (None for a plain `tf.Variable`)."""
+    return getattr(variable, "_value", None)
+
+
+def is_eager_tensor(value):
+    """An eager tensor (a captured value with no op behind it)."""
+    import tensorflow as tf
+
+    return isinstance(value, tf.__internal__.EagerTensor)

@@ -16,7 +16,7 @@ gradient's dtype, the value a float64 reference gives. Two ways get there:
   correctly rounded nor, above 2**126 where ``1 / c`` is subnormal, nonzero.
 * a multiplication by exact powers of two (``"factors"``), used only inside
   XLA and only where every value the scale can take is a power of two (see
-  `scale_is_power_of_two`): then ``g * 2**-e`` is ``g / 2**e`` exactly. XLA
+  `tfdls.LossScale.always_power_of_two`): then ``g * 2**-e`` is ``g / 2**e`` exactly. XLA
   does not fuse a division into several consumers (Adam's two moments), so a
   division would cost the update another pass over the gradients.
 
@@ -53,25 +53,11 @@ def is_power_of_two(value: float) -> bool:
     return mantissa == 0.5
 
 
-def scale_is_power_of_two(loss_scale) -> bool:
-    """True if every value `loss_scale` uses is a power of two (known statically).
-
-    A `FixedLossScale` or `DynamicLossScale` (not a subclass, which may
-    compute its scale differently) whose `powers_of_two` is True; their
-    `__call__` returns a power of two whatever their variable holds. A
-    custom scale is unknown: False.
-    """
-    from tfdls import loss_scale as loss_scale_lib
-
-    exact_types = (loss_scale_lib.FixedLossScale, loss_scale_lib.DynamicLossScale)
-    return type(loss_scale) in exact_types and loss_scale.powers_of_two
-
-
 def method(power_of_two: bool, in_xla: bool) -> str:
     """How to divide exactly: ``"factors"``, ``"divide"`` or ``"divide_in_float64"``.
 
     Args:
-        power_of_two: every divisor is a power of two (`scale_is_power_of_two`).
+        power_of_two: every divisor is a power of two (`LossScale.always_power_of_two`).
         in_xla: the division is traced inside an XLA cluster.
     """
     if not power_of_two:

@@ -37,6 +37,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from tfdls import _compat
 from tfdls._division import power_of_two
 
 
@@ -116,7 +117,7 @@ class _GroupReading:
         reads.append(owned)
         # The variables' handles as this graph holds them (captured or passed in).
         self.graph_handles = [r.op.inputs[0].name for r in reads]
-        self.created = max(r.op._id for r in reads)
+        self.created = max(_compat.op_creation_order(r.op) for r in reads)
         exponents = owned_exponents(tf.stack(reads[:-1]), owned, group.low, group.high)
         self.factors = power_of_two(tf.cast(exponents, tf.int32)).name
         self.by_dtype = {}  # dtype -> the names of the factors in that dtype
@@ -124,7 +125,7 @@ class _GroupReading:
     def reusable(self, graph, group, handles):
         if self.group is not group or any(a is not b for a, b in zip(self.handles, handles)):
             return False
-        return not any(op._id > self.created and op.type != "ReadVariableOp"
+        return not any(_compat.op_creation_order(op) > self.created and op.type != "ReadVariableOp"
                        for name in self.graph_handles
                        for op in graph.get_tensor_by_name(name).consumers())
 

@@ -257,7 +257,7 @@ def _audit(graph, resolve, known, own_ops):
         if op.type in _BRANCH_OPS:
             # Keras' own conditionals (gradient accumulation, EMA overwrite):
             # audit both branches, their inputs mapped to this graph's.
-            for branch in (op._true_graph, op._false_graph):
+            for branch in _compat.cond_branch_graphs(op):
                 outer = {_resource_key(inner): t for inner, t in zip(branch.inputs, op.inputs[1:])}
 
                 def branch_resolve(tensor, outer=outer):

@@ -13,10 +13,31 @@ step runs (see `tfdls._unscaling`); the plan says how they are divided.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import tensorflow as tf
 
 from tfdls import _compat, _distribute, _division, _masked_update
+
+
+class Skip(str, enum.Enum):
+    """How a step with non-finite gradients applies nothing (see `StepPlan.skip`)."""
+
+    NONE = "none"
+    MASKED = "masked"
+    COND = "cond"
+    # Read and printed as the plain string ("masked"), which it also equals.
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Check(str, enum.Enum):
+    """What the finiteness check reads (see `StepPlan.check`)."""
+
+    SCALED = "scaled"
+    UNSCALED = "unscaled"
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,17 +75,17 @@ class StepPlan:
     >>> w = keras.Variable([1.0, 2.0], name="w")
     >>> step = tf.function(lambda g: opt.apply([g], [w]))
     >>> step(tf.ones(2))
-    >>> opt.step_plan.skip, opt.step_plan.check, opt.step_plan.compile
-    ('masked', 'scaled', True)
+    >>> print(opt.step_plan.skip, opt.step_plan.check, opt.step_plan.compile)
+    masked scaled True
     >>> opt.apply([tf.ones(2)], [w])  # eager: no trace to audit
-    >>> opt.step_plan.skip, opt.step_plan.reason
-    ('cond', 'eager execution (the cond runs one branch; no trace to audit)')
+    >>> print(opt.step_plan.skip, "-", opt.step_plan.reason)
+    cond - eager execution (the cond runs one branch; no trace to audit)
     """
 
     divide: tuple[bool, ...]
     division: str
-    check: str
-    skip: str
+    check: Check
+    skip: Skip
     compile: bool
     reason: str = ""
 
@@ -74,11 +95,7 @@ def plan_step(
     trainable_variables,
     inner_optimizer,
     jit_compile,
-    *,
-    fixed_scale,
-    dynamic_scale,
-    min_scale,
-    power_of_two_scale,
+    loss_scale,
 ):
     """Decides how this `apply` runs; see `StepPlan`.
 
@@ -87,35 +104,33 @@ def plan_step(
         trainable_variables: their variables.
         inner_optimizer: the wrapped Keras optimizer.
         jit_compile: the optimizer's ``jit_compile`` setting.
-        fixed_scale: the scale never changes and every step is applied.
-        dynamic_scale: a `DynamicLossScale` (compiling the apply pays off).
-        min_scale: the smallest scale `loss_scale` can take (None: unknown).
-        power_of_two_scale: every value the scale can take is a power of two
-            (see `tfdls._division.scale_is_power_of_two`).
+        loss_scale: the `tfdls.LossScale`, which answers whether it can skip,
+            its minimum and whether its values are powers of two.
     """
+    min_scale = loss_scale.min_value
     divide = tuple(
         g is not None and not getattr(v, "overwrite_with_gradient", False)
         for g, v in zip(grads, trainable_variables)
     )
-    check = "scaled" if min_scale is not None and min_scale >= 1 else "unscaled"
+    check = Check.SCALED if min_scale is not None and min_scale >= 1 else Check.UNSCALED
 
     in_function = tf.inside_function()
     in_xla = in_function and _compat.in_xla_context()
     reasons = []
-    if fixed_scale:
-        skip = "none"
+    if not loss_scale.can_skip:
+        skip = Skip.NONE
     elif not in_function:
-        skip, why = "cond", "eager execution (the cond runs one branch; no trace to audit)"
+        skip, why = Skip.COND, "eager execution (the cond runs one branch; no trace to audit)"
         reasons.append(why)
     elif _distribute.needs_merge_call():
-        skip = "cond"
+        skip = Skip.COND
         reasons.append(
             "the strategy synchronizes replicas with merge_call, which an audited "
             "update function cannot contain; the cond is taken in cross-replica context"
         )
     else:
         unsupported = _masked_update.unsupported_reason(inner_optimizer)
-        skip = "cond" if unsupported else "masked"
+        skip = Skip.COND if unsupported else Skip.MASKED
         if unsupported:
             reasons.append(unsupported)
 
@@ -141,16 +156,16 @@ def plan_step(
     elif _compat.op_determinism_enabled():
         compile_apply = False
         reasons.append("jit_compile='auto' does not compile with op determinism enabled")
-    elif not dynamic_scale:
+    elif not loss_scale.dynamic:
         compile_apply = False
         reasons.append("jit_compile='auto' compiles only for a DynamicLossScale")
     else:
-        compile_apply = skip == "masked"
+        compile_apply = skip == Skip.MASKED
         if not compile_apply:
             reasons.append("jit_compile='auto' compiles only a masked (branch-free) update")
     return StepPlan(
         divide=divide,
-        division=_division.method(power_of_two_scale, in_xla or compile_apply),
+        division=_division.method(loss_scale.always_power_of_two, in_xla or compile_apply),
         check=check,
         skip=skip,
         compile=compile_apply,

@@ -143,8 +143,7 @@ def _closes_for(closer, viewer):
 def _cond_built(branch):
     outer = getattr(branch, "outer_graph", None)
     return outer is not None and any(
-        getattr(op, "_true_graph", None) is branch or getattr(op, "_false_graph", None) is branch
-        for op in outer.get_operations()
+        branch in _compat.cond_branch_graphs(op) for op in outer.get_operations()
     )
 
 

@@ -455,6 +455,13 @@ class _SeenBoundaries:
             ops = self._graphs.setdefault(graph, {})
             ops[tensor.op.name] = (tuple(weakref.ref(b) for b in boundaries), divides)
 
+    def any_crossed(self):
+        """Whether any traced graph still alive holds a boundary's backward pass (cheap:
+        without one, no gradient can have crossed a boundary in a graph)."""
+        with self._lock:
+            return any(any(not divides for _, divides in ops.values())
+                       for ops in self._graphs.values())
+
     def _entries(self, graph):
         with self._lock:
             entries = dict(self._graphs.get(graph, {}))
@@ -497,7 +504,7 @@ class _SeenBoundaries:
         visited = set()
         while stack:
             tensor, covered = stack.pop()
-            if isinstance(tensor, tf.__internal__.EagerTensor) or not hasattr(tensor, "op"):
+            if _compat.is_eager_tensor(tensor) or not hasattr(tensor, "op"):
                 continue  # a captured eager value: no backward pass behind it
             graph = tensor.graph
             key = (id(graph), tensor.op.name, tensor.value_index, covered)
@@ -588,7 +595,7 @@ def _mark(boundary_map, attribute):
     for variable, indices in boundary_map.variables:
         if not indices:
             continue
-        for target in (variable, getattr(variable, "_value", None)):
+        for target in (variable, _compat.underlying_variable(variable)):
             if target is None:
                 continue
             marks = getattr(target, attribute, None)
@@ -600,7 +607,7 @@ def _mark(boundary_map, attribute):
 
 def _marks(variable, attribute):
     found = []
-    for target in (variable, getattr(variable, "_value", None)):
+    for target in (variable, _compat.underlying_variable(variable)):
         found.extend(getattr(target, attribute, None) or ())
     return found
 
@@ -747,6 +754,43 @@ def owned_boundaries_above(variable) -> list:
     return _marks(variable, _OWNED_ABOVE)
 
 
+def refuse_boundaries_not_given(grads, variables, known) -> None:
+    """Raises where `grads` crossed boundaries outside `known` (the optimizer's own).
+
+    Two rules: a variable below a boundary another optimizer owns (its
+    gradient is multiplied by that boundary's factor), and, at trace time, a
+    gradient that crossed a boundary not given (owned or not: another
+    optimizer could take it after the trace) on a path where no
+    `UnscaledInput` divided it out again (as for a GAN generator trained
+    through a discriminator with boundaries). Where no boundary was ever
+    traced or owned in this process, neither can apply: nothing is walked.
+    """
+    def unknown(boundaries):
+        return sorted({b.name for b in boundaries if not any(b is k for k in known)})
+
+    for variable in variables:
+        names = unknown(owned_boundaries_above(variable))
+        if names:
+            path = getattr(variable, "path", None) or variable.name
+            raise ValueError(
+                f"tfdls: the variable {path!r} is below the scale boundaries {names}, "
+                "which another LossScaleOptimizer owns (they multiply its gradient) and "
+                "this optimizer was not given, so it cannot divide out their factors. "
+                "Give it the model: LossScaleOptimizer(..., scale_boundaries=model), or "
+                "optimizer.set_scale_boundaries(model)."
+            )
+    if tf.executing_eagerly() or not seen.any_crossed():
+        return
+    names = unknown(seen.crossed_undivided(grads))
+    if names:
+        raise ValueError(
+            f"tfdls: the gradients crossed the scale boundaries {names}, which this "
+            "optimizer was not given, so it cannot divide out their factors. Give it "
+            "the model: LossScaleOptimizer(..., scale_boundaries=model), or "
+            "optimizer.set_scale_boundaries(model) after loading a saved model."
+        )
+
+
 # -- reading a model's boundaries ---------------------------------------------------
 
 
@@ -788,7 +832,7 @@ class BoundaryMap:
 
 def _keys(variable):
     keys = [id(variable)]
-    inner = getattr(variable, "_value", None)
+    inner = _compat.underlying_variable(variable)
     if inner is not None:
         keys.append(id(inner))
     return keys
@@ -805,8 +849,7 @@ def _contains_boundary(layer):
 
 def _is_graph_model(model):
     return isinstance(model, keras.Sequential) or (
-        isinstance(model, keras.Model) and hasattr(model, "_nodes_by_depth")
-        and getattr(model, "_nodes_by_depth", None) is not None
+        isinstance(model, keras.Model) and _compat.nodes_by_depth(model) is not None
     )
 
 
@@ -985,12 +1028,12 @@ def _sequential_chains(model):
 
 def _functional_chains(model):
     """Per layer: the boundaries every path from its outputs to the model's outputs crosses."""
-    depths = sorted(model._nodes_by_depth.keys())  # 0: the output nodes
+    depths = sorted(_compat.nodes_by_depth(model).keys())  # 0: the output nodes
     outputs = {id(t) for t in model.outputs}
     consumers = {}
     nodes = []
     for depth in depths:
-        for node in model._nodes_by_depth[depth]:
+        for node in _compat.nodes_by_depth(model)[depth]:
             nodes.append(node)
             for tensor in node.input_tensors:
                 consumers.setdefault(id(tensor), []).append(node)
@@ -1193,8 +1236,8 @@ def _add_to_sequential(model, every, boundary_kwargs):
 
 
 def _add_to_functional(model, every, boundary_kwargs):
-    depths = sorted(model._nodes_by_depth.keys(), reverse=True)  # inputs first
-    nodes = [n for d in depths for n in model._nodes_by_depth[d]
+    depths = sorted(_compat.nodes_by_depth(model).keys(), reverse=True)  # inputs first
+    nodes = [n for d in depths for n in _compat.nodes_by_depth(model)[d]
              if n.operation is not None and not getattr(n, "is_input", False)]
     inputs = {id(t) for t in model.inputs}
     outputs = {id(t) for t in model.outputs}
@@ -1254,7 +1297,8 @@ def _add_to_functional(model, every, boundary_kwargs):
                 count += 1
                 new = ScaleBoundary(name=f"scale_boundary_{count}", **boundary_kwargs)(new)
             values[id(old)] = new
-    new_outputs = keras.tree.map_structure(lambda t: values[id(t)], model._outputs_struct) \
-        if hasattr(model, "_outputs_struct") else [values[id(t)] for t in model.outputs]
+    structure = _compat.outputs_structure(model)
+    new_outputs = ([values[id(t)] for t in model.outputs] if structure is None
+                   else keras.tree.map_structure(lambda t: values[id(t)], structure))
     return keras.Model(new_inputs if len(new_inputs) > 1 else new_inputs[0], new_outputs,
                        name=f"{model.name}_with_boundaries")

@@ -142,6 +142,42 @@ class LossScale(tf.Module, metaclass=abc.ABCMeta):
     def from_config(cls, config: dict[str, Any]) -> LossScale:
         return cls(**config)
 
+    # -- what `LossScaleOptimizer` asks of a scale, answered when a step is traced --
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether this is a `DynamicLossScale` (Keras 3's and tf_keras' ``dynamic``)."""
+        return False
+
+    @property
+    def min_value(self) -> float | None:
+        """The smallest value this scale takes; None where unknown (a custom scale)."""
+        return None
+
+    @property
+    def can_skip(self) -> bool:
+        """Whether a step may be skipped; a scale that never skips never changes."""
+        return True
+
+    @property
+    def always_power_of_two(self) -> bool:
+        """Whether every value `__call__` returns is a power of two (dividing is exact
+        as a multiplication). False unless the class says so: a subclass may compute
+        its value otherwise."""
+        return False
+
+    @property
+    def decides_from_gradients(self) -> bool:
+        """Whether `update(unscaled_grads)` decides the step (TF 2.4 style); False for a
+        scale driven by `update_from_decision`, whose check the optimizer shares with
+        overflow attribution."""
+        return True
+
+    @property
+    def skipped_steps(self) -> tf.Tensor | None:
+        """Steps skipped so far (int64 tensor); None where the scale does not count them."""
+        return None
+
 
 class FixedLossScale(LossScale):
     """A loss scale that never changes; every step's gradients are applied.
@@ -181,6 +217,14 @@ class FixedLossScale(LossScale):
     def powers_of_two(self) -> bool:
         """True if the value is a power of two (dividing by it is a multiplication)."""
         return self._powers_of_two
+
+    min_value = property(lambda self: self._loss_scale_value)
+    can_skip = property(lambda self: False)
+    decides_from_gradients = property(lambda self: False)
+
+    @property
+    def always_power_of_two(self) -> bool:
+        return type(self) is FixedLossScale and self._powers_of_two
 
     def __call__(self) -> tf.Tensor:
         return _read_scale(self.current_loss_scale, self._powers_of_two)
@@ -353,6 +397,22 @@ class DynamicLossScale(LossScale):
         """True if every scale this can reach is a power of two (see the class docstring)."""
         return self._powers_of_two
 
+    min_value = property(lambda self: self._min_loss_scale)
+    dynamic = property(lambda self: True)
+
+    @property
+    def always_power_of_two(self) -> bool:
+        return type(self) is DynamicLossScale and self._powers_of_two
+
+    @property
+    def decides_from_gradients(self) -> bool:
+        # A subclass that overrides update() decides from the gradients, as in TF 2.4.
+        return type(self).update is not DynamicLossScale.update
+
+    @property
+    def skipped_steps(self) -> tf.Tensor:
+        return self.num_skipped_steps
+
     @property
     def num_skipped_steps(self) -> tf.Tensor:
         """Total number of steps skipped for non-finite gradients (int64 tensor)."""
@@ -376,8 +436,8 @@ class DynamicLossScale(LossScale):
         is_finite = finite.all_finite(grads, across_replicas=True)
         return self.update_from_decision(is_finite), is_finite
 
-    def update_from_decision(self, is_finite: tf.Tensor, shrink: tf.Tensor | None = None) -> Any:
-        """Advances the state machine given an already-agreed finiteness flag.
+    def update_from_decision(self, decision: Any) -> Any:
+        """Advances the state machine given an already-agreed decision.
 
         Branch-free: both outcomes are computed on a handful of scalars and
         selected with `tf.where`, so there is no `tf.cond` (cheap under XLA,
@@ -385,13 +445,17 @@ class DynamicLossScale(LossScale):
         `update`'s `update_op`.
 
         Args:
-            is_finite: whether every gradient was finite (on every replica).
-            shrink: for a non-finite step, whether the overflow is the global
-                scale's to answer (the default): False when a
-                `tfdls.ScaleBoundary` lowered its factor instead. Such a step
+            decision: whether every gradient was finite (on every replica), a
+                scalar bool; or a `LossScaleOptimizer` step's decision, with
+                ``is_finite`` and ``lowers_scale``: whether a skipped step's
+                overflow is the scale's to answer. A skipped step that does not
+                lower the scale (a `tfdls.ScaleBoundary` lowered its factor
+                instead, or only the sums of finite gradients could overflow)
                 still counts as skipped and resets the good-step count, but
                 leaves the scale and the hysteresis budget.
         """
+        is_finite = getattr(decision, "is_finite", decision)
+        lowers = getattr(decision, "lowers_scale", None)
         s = self._current()
         g = tf.convert_to_tensor(self.num_good_steps)
         h = tf.convert_to_tensor(self.hysteresis_budget)
@@ -424,9 +488,9 @@ class DynamicLossScale(LossScale):
             shrunk = s * tf.constant(self._backoff_factor, tf.float32)
         shrunk = tf.maximum(shrunk, self._min_loss_scale)
         s_overflow = tf.where(tf.equal(h_overflow, 0), shrunk, s)
-        if shrink is not None:
-            s_overflow = tf.where(shrink, s_overflow, s)
-            h_overflow = tf.where(shrink, h_overflow, h)
+        if lowers is not None:
+            s_overflow = tf.where(lowers, s_overflow, s)
+            h_overflow = tf.where(lowers, h_overflow, h)
 
         skipped = tf.convert_to_tensor(self.num_skipped_steps_variable)
         since = tf.convert_to_tensor(self.steps_since_overflow_variable)
@@ -476,21 +540,6 @@ def _update_op(updated: Any, value: tf.Tensor) -> tf.Tensor | None:
         return None
     with tf.control_dependencies([updated]):
         return tf.identity(value)
-
-
-def has_custom_update(loss_scale: LossScale) -> bool:
-    """True unless `loss_scale` is a `DynamicLossScale` with the built-in `update`.
-
-    `LossScaleOptimizer` drives a built-in dynamic scale through
-    `update_from_decision` (the finiteness check is shared with overflow
-    attribution); any other scale, including a `DynamicLossScale` subclass
-    that overrides `update` (TF 2.4 style, e.g. to add its own skip
-    condition), is driven through `update(unscaled_grads)`.
-    """
-    return not (
-        isinstance(loss_scale, DynamicLossScale)
-        and type(loss_scale).update is DynamicLossScale.update
-    )
 
 
 _CLASSES: dict[str, type[LossScale]] = {"FixedLossScale": FixedLossScale, "DynamicLossScale": DynamicLossScale}

@@ -3,217 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Iterable, Sequence
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from tfdls import _compat, _distribute, _division, _masked_update, _plan, _record, _unscaling
-from tfdls import _boundary_scales
+from tfdls import _bfloat16, _boundary_scales, _compat, _division, _keras_style, _plan
+from tfdls import _record, _step, _unscaling
+from tfdls._bfloat16 import BFloat16Warning  # noqa: F401 (tfdls.optimizer.BFloat16Warning)
 from tfdls import boundaries as boundaries_lib
-from tfdls import finite, overflow
+from tfdls import overflow
 from tfdls import gradient_stats as stats_lib
 from tfdls import loss_scale as loss_scale_lib
 
-_KERAS_STYLE_KEYWORDS = ("initial_scale", "dynamic_growth_steps", "dynamic")
-# Keras' base-optimizer keywords, at the values that mean "not set". Keras 3's
-# LossScaleOptimizer accepts them at these values (older Keras 3 configs hold
-# them, so `.keras` files may) and refuses any other value.
-_BASE_OPTIMIZER_DEFAULTS = {
-    "weight_decay": None,
-    "clipnorm": None,
-    "global_clipnorm": None,
-    "clipvalue": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "loss_scale_factor": None,
-    "gradient_accumulation_steps": None,
-}
 # The step path has no tensor-dependent Python control flow: AutoGraph need
 # not rewrite it (as Keras' own trainer code is not), which also keeps
 # tracebacks readable.
 _NOT_CONVERTED = tf.autograph.experimental.do_not_convert
 
 
-def _check_inner_optimizer(inner_optimizer):
-    if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
-        raise ValueError(
-            "`inner_optimizer` is already a loss-scale optimizer "
-            f"({type(inner_optimizer).__module__}.{type(inner_optimizer).__name__}); "
-            "wrap the plain optimizer instead, or scaling happens twice."
-        )
-    if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-        hint = ""
-        if isinstance(inner_optimizer, str):
-            hint = f" Use keras.optimizers.get({inner_optimizer!r}) to build one."
-        elif "tf_keras" in type(inner_optimizer).__module__:
-            hint = " tf_keras (Keras 2) optimizers are not supported; use keras.optimizers."
-        raise TypeError(
-            "`inner_optimizer` must be a Keras 3 optimizer (an instance of "
-            f"keras.optimizers.Optimizer); got inner_optimizer={inner_optimizer!r}.{hint}"
-        )
-    if inner_optimizer.loss_scale_factor is not None:
-        raise ValueError(
-            "`inner_optimizer` has its own loss_scale_factor="
-            f"{inner_optimizer.loss_scale_factor!r}; it would scale the loss a second "
-            "time. Set loss_scale_factor=None on it and give the scale to "
-            "LossScaleOptimizer(loss_scale=...) instead."
-        )
-
-
-def _is_unset(value, default):
-    if default is None or isinstance(default, bool):
-        return value is default
-    # A number (ema_momentum): by value, as Keras compares; but True is not 1.
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == default
-
-
-def _check_base_optimizer_keywords(kwargs):
-    """Drops Keras' base-optimizer keywords at their defaults; raises for the rest.
-
-    ValueError, as Keras 3 raises, so that code catching Keras' error still
-    catches tfdls'.
-    """
-    for key, default in _BASE_OPTIMIZER_DEFAULTS.items():
-        if key not in kwargs:
-            continue
-        value = kwargs.pop(key)
-        if _is_unset(value, default):
-            continue
-        if key == "loss_scale_factor":
-            raise ValueError(
-                f"LossScaleOptimizer does not take loss_scale_factor={value!r}, and its "
-                "`inner_optimizer` may not have one either (the loss would be scaled "
-                f"twice); for a fixed scale give LossScaleOptimizer(loss_scale={value!r})."
-            )
-        raise ValueError(
-            f"LossScaleOptimizer does not take `{key}`; got {key}={value!r}. It is an "
-            f"option of the optimizer that applies the gradients: set {key}={value!r} "
-            "on the `inner_optimizer` (it receives the unscaled gradients)."
-        )
-    if kwargs:
-        names = "`, `".join(kwargs)  # in the order given, as Keras lists them
-        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-        raise ValueError(
-            f"LossScaleOptimizer does not support arguments: `{names}` (got {given}); "
-            "options of the optimizer itself belong on the `inner_optimizer`."
-        )
-
-
-def _build_loss_scale(loss_scale, keras_style):
-    """Resolves the two argument styles into one `LossScale`."""
-    if keras_style and loss_scale is not None:
-        raise ValueError(
-            "Give either `loss_scale` or the Keras-style keywords "
-            f"{sorted(keras_style)}, not both; got loss_scale={loss_scale!r} and "
-            + ", ".join(f"{k}={v!r}" for k, v in sorted(keras_style.items()))
-        )
-    if not keras_style:
-        return loss_scale_lib.get("dynamic" if loss_scale is None else loss_scale)
-    initial_scale = keras_style.get("initial_scale", 2.0**15)
-    if keras_style.get("dynamic", True):
-        return loss_scale_lib.DynamicLossScale(
-            initial_loss_scale=initial_scale,
-            increment_period=keras_style.get("dynamic_growth_steps", 2000),
-        )
-    if "dynamic_growth_steps" in keras_style:
-        raise ValueError(
-            "`dynamic_growth_steps` only applies to a dynamic loss scale; got "
-            f"dynamic=False and dynamic_growth_steps={keras_style['dynamic_growth_steps']!r}"
-        )
-    return loss_scale_lib.FixedLossScale(initial_scale)
-
-
-def _as_value(grad, scale, already_unscaled):
-    """The "gradient" of an `overwrite_with_gradient` variable, a value never divided.
-
-    get_unscaled_gradients, which does not know the variables, divided it
-    when the step is unscaled: multiplied back, exactly for a power-of-two
-    scale.
-    """
-    if grad is None:
-        return None
-    grad = tf.convert_to_tensor(grad)
-    return tf.where(already_unscaled, _division.multiply(grad, scale), grad)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Divisions:
-    """How `LossScaleOptimizer._step` divides each gradient (see `_check_with_boundaries`).
-
-    kinds: per gradient, ``"value"`` (`as_value`), ``"scale"`` (`by_scale`)
-    or ``"boundaries"`` (`by_boundaries`, with the divisor of its segment:
-    `segments` per gradient, `segment_divisors` the vectors
-    ``(exponents, pieces)`` of `LossScaleOptimizer._boundary_divisors`).
-    """
-
-    as_value: Any
-    by_scale: Any
-    by_boundaries: Any
-    kinds: list
-    segments: list | None
-    segment_divisors: tuple | None
-
-    def gather_divisors(self, indices):
-        """The ``(exponent, pieces)`` of segments `indices` (1 below boundary 0), as vectors:
-        elementwise the values each gradient of those segments is divided by."""
-        exponents, pieces = self.segment_divisors
-        indices = tf.constant(indices, tf.int32)
-        return (tf.gather(exponents, indices),
-                None if pieces is None else [tf.gather(p, indices) for p in pieces])
-
-
-class BFloat16Warning(UserWarning):
-    """Loss scaling a bfloat16 model: harmless, but it does nothing useful.
-
-    bfloat16 has float32's exponent range, so its gradients neither overflow
-    nor underflow where float32's would not: it needs no loss scale. tfdls
-    still scales, checks and skips as configured, and its gradient
-    statistics stay float16-relative. Warned once per optimizer, when it is
-    built under a ``mixed_bfloat16`` policy or for bfloat16 variables.
-    Silence it with ``warnings.filterwarnings("ignore", category=tfdls.BFloat16Warning)``.
-
-    Example:
-
-    >>> keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    >>> opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD())
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...     warnings.simplefilter("always")
-    ...     opt.build([keras.Variable([1.0])])
-    >>> [w.category.__name__ for w in caught]
-    ['BFloat16Warning']
-    >>> keras.mixed_precision.set_global_policy("float32")
-    """
-
-
-def _warn_if_bfloat16(var_list):
-    compute_dtype = keras.mixed_precision.global_policy().compute_dtype
-    dtypes = {tf.as_dtype(getattr(v, "dtype", tf.float32)) for v in var_list}
-    if compute_dtype == "bfloat16" or tf.bfloat16 in dtypes:
-        warnings.warn(
-            "tfdls: this model computes in bfloat16, which has float32's range and needs "
-            "no loss scaling; LossScaleOptimizer still scales, checks and skips as "
-            "configured, and its gradient statistics are float16-relative. Use the inner "
-            "optimizer alone, or silence this with warnings.filterwarnings('ignore', "
-            "category=tfdls.BFloat16Warning).",
-            BFloat16Warning,
-            stacklevel=3,
-        )
-
-
-class _TrackedVariables(tf.Module):
-    """Holds variables so that `tf.train.Checkpoint` and SavedModel track them."""
-
-    def __init__(self, variables):
-        super().__init__(name="inner_optimizer_state")
-        self.tracked = list(variables)
-
-
 @keras.saving.register_keras_serializable(package="tfdls")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOptimizer):
     """Wraps a Keras 3 optimizer with (dynamic) loss scaling.
 
     The loss is multiplied by the current scale before differentiation; the
@@ -323,10 +133,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale_boundaries: keras.Model | None = None,
         **kwargs: Any,
     ):
-        keras_style = {k: kwargs.pop(k) for k in _KERAS_STYLE_KEYWORDS if k in kwargs}
-        _check_base_optimizer_keywords(kwargs)
-        _check_inner_optimizer(inner_optimizer)
-        resolved = _build_loss_scale(loss_scale, keras_style)
+        resolved = _keras_style.loss_scale_from_arguments(loss_scale, kwargs)
+        _keras_style.check_inner_optimizer(inner_optimizer)
         if not isinstance(overflow_attribution, bool):
             raise TypeError(
                 "`overflow_attribution` must be True or False; "
@@ -361,9 +169,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._stats: stats_lib.GradientStatsRecord | None = None
         self._fallback_warned = False
         self.step_plan = None
-        # Scale boundaries (see `set_scale_boundaries`): the model's map, and
-        # the per-step arithmetic made by build().
-        self._boundary_map: boundaries_lib.BoundaryMap | None = None
+        # Scale boundaries (see `set_scale_boundaries`): the one object through
+        # which per-layer scales plug into the step; None without them.
         self._boundary_scales: _boundary_scales.BoundaryScales | None = None
         self._boundaries_expected = False
         if scale_boundaries is not None:
@@ -379,7 +186,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale that is not a `DynamicLossScale` of powers of two.
         """
         ls = self.loss_scale
-        if type(ls) is not loss_scale_lib.DynamicLossScale or not ls.powers_of_two:
+        if not (ls.dynamic and ls.always_power_of_two):
             raise ValueError(
                 "scale_boundaries needs a tfdls.DynamicLossScale whose values are powers "
                 f"of two (every factor is one, and overflows must be able to skip a step); "
@@ -388,71 +195,23 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         boundary_map = boundaries_lib.read_boundaries(model)
         boundaries_lib.take_ownership(boundary_map)
         boundaries_lib.guard_layers_below(model, boundary_map)
-        self._boundary_map = boundary_map
+        self._boundary_scales = _boundary_scales.BoundaryScales(boundary_map)
         self._boundaries_expected = True
         if self.built:
-            self._boundary_scales = _boundary_scales.BoundaryScales(
-                boundary_map, self._trainable_variables
-            )
+            self._boundary_scales.build(self._trainable_variables)
 
     def scale_boundary_factors(self) -> dict[str, float]:
         """``{boundary name: factor}`` now (a host read); empty without scale boundaries."""
-        if self._boundary_map is None:
+        if self._boundary_scales is None:
             return {}
-        return {b.name: b.factor() for b in self._boundary_map.boundaries}
-
-    # -- the loss scale, as Keras 3 and tf_keras name it ---------------------------
-
-    @property
-    def dynamic(self) -> bool:
-        """True for a `DynamicLossScale` (Keras 3's and tf_keras' ``dynamic``)."""
-        return isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale)
-
-    @property
-    def initial_scale(self) -> float | None:
-        """The dynamic scale's initial value, or the fixed scale's value; None for a custom scale."""
-        if self.dynamic:
-            return self.loss_scale.initial_loss_scale
-        if isinstance(self.loss_scale, loss_scale_lib.FixedLossScale):
-            return self.loss_scale.loss_scale_value
-        return None
-
-    @property
-    def dynamic_growth_steps(self) -> int | None:
-        """The dynamic scale's `increment_period`; None for other scales."""
-        return self.loss_scale.increment_period if self.dynamic else None
-
-    @property
-    def dynamic_scale(self):
-        """The current scale, as Keras 3's `LossScaleOptimizer.dynamic_scale`.
-
-        The `DynamicLossScale`'s variable, or a float32 tensor for other scales.
-        """
-        if self.dynamic:
-            return self.loss_scale.current_loss_scale
-        return self.loss_scale()
-
-    @property
-    def step_counter(self):
-        """Finite steps since the scale last grew or shrank, as in Keras 3.
-
-        A dynamic scale's `num_good_steps` variable; 0 for a fixed scale.
-        """
-        if self.dynamic:
-            return self.loss_scale.num_good_steps
-        if isinstance(self.loss_scale, loss_scale_lib.FixedLossScale):
-            return tf.constant(0, tf.int64)
-        raise AttributeError(
-            f"step_counter: the custom loss scale {type(self.loss_scale).__name__} "
-            "keeps no step counter that tfdls knows of."
-        )
+        return {b.name: b.factor() for b in self._boundary_scales.boundaries}
 
     @property
     def variables(self):
         return self._variables + list(self.loss_scale.variables) + self.inner_optimizer.variables
 
     def build(self, var_list):
-        _warn_if_bfloat16(var_list)
+        _bfloat16.warn_if_bfloat16(var_list)
         # Outside Keras' no-tracking scope: variables the inner optimizer
         # creates without add_variable (Nadam's `_u_product`, Adafactor's
         # placeholders) are tracked, so `variables`, `.keras` files and
@@ -462,7 +221,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Keras optimizer tracks all of its own (MultiOptimizer does not track
         # its sub-optimizers'), so every variable of the inner optimizer is
         # tracked from here too (shared, not copied).
-        self._inner_optimizer_state = _TrackedVariables(self.inner_optimizer.variables)
+        self._inner_optimizer_state = _keras_style.TrackedVariables(self.inner_optimizer.variables)
         # The generic Optimizer.build; Keras' LossScaleOptimizer.build would
         # create its own scale variables.
         super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
@@ -474,10 +233,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._overflow = overflow.OverflowRecord(
                 names, self.overflow_attribution, self._min_scale_policy, self._stats
             )
-            if self._boundary_map is not None:
-                self._boundary_scales = _boundary_scales.BoundaryScales(
-                    self._boundary_map, var_list
-                )
+            if self._boundary_scales is not None:
+                self._boundary_scales.build(var_list)
 
     # -- scaling ----------------------------------------------------------------
 
@@ -493,32 +250,26 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         self._unscaling.begin_step()
         scale = self.loss_scale()
-        if not self._scale_is_fixed():
+        if self.loss_scale.can_skip:  # a scale that never skips never changes
             self._record.record(scale)
-        if self._boundary_map is not None:
+        if self._boundary_scales is not None:
             # The factors this step's backward passes multiply by and its
             # applies divide by: an adaptation takes effect from here.
-            boundaries_lib.record_factors(self._boundary_map.boundaries)
+            boundaries_lib.record_factors(self._boundary_scales.boundaries)
         return keras.ops.multiply(loss, scale)
 
-    def _scale_is_fixed(self):
-        # A fixed scale is the same when recorded and when read: nothing to record.
-        return isinstance(self.loss_scale, loss_scale_lib.FixedLossScale)
-
-    def _scales(self, trainable_variables=None):
-        """The scale now, and the scale that multiplied the gradients of
-        `trainable_variables` (all of the optimizer's, if None) by the rule of
-        `tfdls._record`."""
+    def _scales(self, positions=None):
+        """The scale now, and the scale that multiplied the gradients of the variables at
+        `positions` (all of the optimizer's, if None) by the rule of `tfdls._record`."""
         live = self.loss_scale()
-        if self._scale_is_fixed():
+        if not self.loss_scale.can_skip:  # fixed: the same when recorded and when read
             return live, live
-        positions = None if trainable_variables is None else self._positions(trainable_variables)
         return live, self._record.scale_for(live, positions)
 
     def _positions(self, trainable_variables):
         """The indices of `trainable_variables` among the optimizer's; a ValueError naming
         one it was not built with."""
-        if self._boundary_map is None:
+        if self._boundary_scales is None:
             self._check_variables_are_known(trainable_variables)  # Keras' own error
         positions = []
         for variable in trainable_variables:
@@ -590,15 +341,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"get_unscaled_gradients got {len(grads)} gradients for {len(variables)} "
                 "trainable_variables; they must match one to one."
             )
-        if variables is not None and self._boundary_map is not None and not self.built:
+        if variables is not None and self._boundary_scales is not None and not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(variables)
             self.built = True
-        _, scale = self._scales(variables if self.built else None)
-        how = _division.method(
-            _division.scale_is_power_of_two(self.loss_scale), _compat.in_xla_context()
-        )
-        if self._boundary_map is None:
+        positions = None if variables is None or not self.built else self._positions(variables)
+        _, scale = self._scales(positions)
+        how = _division.method(self.loss_scale.always_power_of_two, _compat.in_xla_context())
+        if self._boundary_scales is None:
             unscaled = [None if g is None else _division.divide(g, scale, how) for g in grads]
         else:
             if variables is None:
@@ -608,59 +358,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                     "trainable_variables=[...] in the order of grads; got "
                     f"trainable_variables={trainable_variables!r}"
                 )
-            divisors, _ = self._boundary_divisors(scale, tf.constant(False), variables)
-            unscaled = [
-                None if g is None
-                else _division.divide(g, scale, how) if d is None
-                else self._divide_by_boundaries(g, d, self._boundary_map.boundaries)
-                for g, d in zip(grads, divisors)
-            ]
+            unscaled = self._boundary_scales.unscale(grads, positions, scale, how)
         self._unscaling.record_unscaled(grads, unscaled)
         return unscaled
-
-    def _max_exponent(self):
-        """A static bound of |log2(loss scale * boundary factors)|."""
-        depth = len(self._boundary_map.boundaries) if self._boundary_map else 0
-        return 128 + max(abs(boundaries_lib.MIN_LOG2_FACTOR), boundaries_lib.MAX_LOG2_FACTOR) * depth
-
-    def _boundary_divisors(self, divisor, already_unscaled, trainable_variables, totals=None):
-        """Per variable: None (no boundary above it), or ``(exponent, pieces)`` to divide its
-        gradient by with `_division.divide_by_power_of_two`; and the same per segment below
-        a boundary as vectors ``(exponents, pieces)`` (None without such segments).
-
-        The divisor of a variable below boundaries is ``2**(log2(divisor) + T)``,
-        T the sum of the exponents of the boundaries above it; 1 where the
-        gradients are already unscaled. Computed once per segment, as vectors;
-        `pieces` (`_division.reciprocal_pieces`) only inside XLA.
-        """
-        scales = self._boundary_scales
-        if totals is None:
-            totals = scales.totals(scales.recorded_exponents())
-        positions = self._positions(trainable_variables)
-        segments = len(scales.boundaries)
-        if not segments:
-            return [None] * len(positions), None
-        exponents = _division.exponent_of(divisor) + tf.cast(totals[1:], tf.int32)
-        exponents = tf.where(already_unscaled, tf.zeros_like(exponents), exponents)
-        by_segment = [(e, None) for e in tf.unstack(exponents, segments)]
-        pieces = None
-        if _compat.in_xla_context():
-            pieces = _division.reciprocal_pieces(exponents, self._max_exponent())
-            # [pieces, segments] -> per segment, its pieces.
-            per_segment = tf.unstack(tf.stack(pieces, axis=1), segments)
-            by_segment = [(e, tf.unstack(p)) for (e, _), p in zip(by_segment, per_segment)]
-        per_variable = [None if scales.segment_of[p] == 0 else by_segment[scales.segment_of[p] - 1]
-                        for p in positions]
-        return per_variable, (exponents, pieces)
-
-    def _divide_by_boundaries(self, grad, divisor, boundaries):
-        exponent, pieces = divisor
-        divided = _division.divide_by_power_of_two(grad, exponent, self._max_exponent(), pieces)
-        # Recorded: a gradient that depends on this one (a joint clip by global
-        # norm) carries no factor of these boundaries through it.
-        for tensor in boundaries_lib._tensors_of(divided):
-            boundaries_lib.seen.add(tensor, boundaries, divides=True)
-        return divided
 
     # -- applying -----------------------------------------------------------------
 
@@ -681,61 +381,26 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 return
             self._unscaling.check(
                 grads, [getattr(v, "path", None) or v.name for v in trainable_variables])
-            self._check_boundaries_seen(grads, trainable_variables)
-            plan = self._plan(grads, trainable_variables)
-            self.step_plan = plan
-            if plan.compile:
-                self._compiled_step(plan, grads, trainable_variables)
-            else:
-                self._step(plan, grads, trainable_variables)
+            self._check_boundaries_given(grads, trainable_variables)
+            plan = _plan.plan_step(grads, trainable_variables, self.inner_optimizer,
+                                   self.jit_compile, self.loss_scale)
+            run = _step.run_compiled if plan.compile else _step.run
+            self.step_plan = run(self, plan, grads, trainable_variables)
         finally:
             self._unscaling.end_step()
 
-    def _check_boundaries_seen(self, grads, trainable_variables):
-        """Refuses gradients that crossed scale boundaries this optimizer was not given."""
-        if self._boundaries_expected and self._boundary_map is None:
+    def _check_boundaries_given(self, grads, trainable_variables):
+        """Refuses gradients that crossed scale boundaries this optimizer cannot divide out."""
+        if self._boundaries_expected and self._boundary_scales is None:
             raise ValueError(
                 "tfdls: this optimizer was saved with scale boundaries; give it the model "
                 "again with optimizer.set_scale_boundaries(model) before training."
             )
-        known = () if self._boundary_map is None else self._boundary_map.boundaries
-        if self._boundary_map is not None:
-            for layer, boundary in self._boundary_map.layers_with_losses():
-                raise ValueError(
-                    f"tfdls: the layer {layer.name!r} is below the scale boundary "
-                    f"{boundary.name!r} "
-                    "and its last call added a loss (add_loss, or a regularizer of a layer "
-                    "inside it): that term reaches its variables without crossing the "
-                    "boundary, so their gradients would mix two scales. Add the term in a "
-                    "layer above every boundary, or move the boundary below this layer."
-                )
-
-        def unknown(boundaries):
-            return sorted({b.name for b in boundaries if not any(b is k for k in known)})
-
-        for variable in trainable_variables:
-            names = unknown(boundaries_lib.owned_boundaries_above(variable))
-            if names:
-                path = getattr(variable, "path", None) or variable.name
-                raise ValueError(
-                    f"tfdls: the variable {path!r} is below the scale boundaries {names}, "
-                    "which another LossScaleOptimizer owns (they multiply its gradient) and "
-                    "this optimizer was not given, so it cannot divide out their factors. "
-                    "Give it the model: LossScaleOptimizer(..., scale_boundaries=model), or "
-                    "optimizer.set_scale_boundaries(model)."
-                )
-        # Gradients that crossed, in this trace, boundaries not given (owned or
-        # not: another optimizer could take them after the trace), on a path
-        # where no UnscaledInput divided them out again (as for a GAN
-        # generator trained through a discriminator with boundaries).
-        names = unknown(boundaries_lib.seen.crossed_undivided(grads))
-        if names:
-            raise ValueError(
-                f"tfdls: the gradients crossed the scale boundaries {names}, which this "
-                "optimizer was not given, so it cannot divide out their factors. Give it "
-                "the model: LossScaleOptimizer(..., scale_boundaries=model), or "
-                "optimizer.set_scale_boundaries(model) after loading a saved model."
-            )
+        if self._boundary_scales is not None:
+            self._boundary_scales.check_given()
+        boundaries_lib.refuse_boundaries_not_given(
+            grads, trainable_variables,
+            () if self._boundary_scales is None else self._boundary_scales.boundaries)
 
     def _arguments(self, grads, trainable_variables):
         grads = list(grads)
@@ -761,376 +426,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 self.build(trainable_variables)
             self.built = True
         return grads, trainable_variables
-
-    def _plan(self, grads, trainable_variables):
-        loss_scale = self.loss_scale
-        if isinstance(loss_scale, loss_scale_lib.DynamicLossScale):
-            min_scale = loss_scale.min_loss_scale
-        elif isinstance(loss_scale, loss_scale_lib.FixedLossScale):
-            min_scale = loss_scale.loss_scale_value
-        else:
-            min_scale = None
-        return _plan.plan_step(
-            grads,
-            trainable_variables,
-            self.inner_optimizer,
-            self.jit_compile,
-            fixed_scale=isinstance(loss_scale, loss_scale_lib.FixedLossScale),
-            dynamic_scale=isinstance(loss_scale, loss_scale_lib.DynamicLossScale),
-            min_scale=min_scale,
-            power_of_two_scale=_division.scale_is_power_of_two(loss_scale),
-        )
-
-    def _compiled_step(self, plan, grads, trainable_variables):
-        present = [i for i, g in enumerate(grads) if g is not None]
-        inside = dataclasses.replace(plan, compile=False)
-
-        def compiled_step(present_grads):
-            full = [None] * len(grads)
-            for i, g in zip(present, present_grads):
-                full[i] = g
-            self._step(inside, full, trainable_variables)
-
-        # One XLA cluster: check, division and update fuse.
-        tf.function(compiled_step, jit_compile=True, autograph=False)(
-            [grads[i] for i in present]
-        )
-
-    def _step(self, plan, grads, trainable_variables):
-        """Executes `plan`: divide, check, update the scale, apply or skip."""
-        # The scale the gradients were multiplied by: recorded by scale_loss,
-        # not re-read (an earlier apply of this step may have changed it).
-        live, scale = self._scales(trainable_variables)
-        if not self._scale_is_fixed():
-            self._record.mark_applied(self._positions(trainable_variables))
-        # The unscaling rule, at run time: divide by 1 if get_unscaled_gradients
-        # already divided this step's gradients.
-        already_unscaled = self._unscaling.consume()
-        divisor = tf.where(already_unscaled, tf.ones_like(scale), scale)
-        boundary = None
-        if self._boundary_scales is not None:
-            # The boundaries' exponents now (the adaptation starts from these)
-            # and the totals the backward pass multiplied the gradients by.
-            exponents = self._boundary_scales.exponents()
-            totals = self._boundary_scales.totals(self._boundary_scales.recorded_exponents())
-            boundary = (exponents, totals, already_unscaled)
-            per_variable, segment_divisors = self._boundary_divisors(
-                divisor, already_unscaled, trainable_variables, totals
-            )
-            segments = [self._boundary_scales.segment_of[self._get_variable_index(v)]
-                        for v in trainable_variables]
-        else:
-            per_variable = [None] * len(grads)
-            segment_divisors = segments = None
-
-        # How each gradient is divided; with boundaries the check divides each
-        # gradient's largest magnitude the same way.
-        divisions = _Divisions(
-            as_value=lambda g: _as_value(g, scale, already_unscaled),
-            by_scale=lambda g: _division.divide(g, divisor, plan.division),
-            by_boundaries=lambda g, d: _division.divide_by_power_of_two(
-                g, d[0], self._max_exponent(), d[1]),
-            kinds=["value" if not d else "scale" if b is None else "boundaries"
-                   for d, b in zip(plan.divide, per_variable)],
-            segments=segments,
-            segment_divisors=segment_divisors,
-        )
-        unscaled = [
-            divisions.as_value(g) if kind == "value"
-            else divisions.by_scale(g) if kind == "scale"
-            else self._divide_by_boundaries(g, b, self._boundary_map.boundaries)
-            for g, kind, b in zip(grads, divisions.kinds, per_variable)
-        ]
-        if boundary is not None:
-            boundary = boundary + (divisions,)
-        checked = grads if plan.check == "scaled" else unscaled
-        should_apply = self._update_loss_scale(
-            checked, unscaled, trainable_variables, scale, live, grads, boundary
-        )
-        if self._stats is not None:
-            # Figures of the scaled gradients: the gradients as given, times
-            # the scale where get_unscaled_gradients divided them.
-            factor = tf.where(already_unscaled, scale, tf.ones_like(scale))
-            factors = [factor if d else None for d in plan.divide]
-            boundary_factors = [None] * len(grads)
-            if boundary is not None:
-                for i, variable in enumerate(trainable_variables):
-                    segment = self._boundary_scales.segment_of[self._get_variable_index(variable)]
-                    if segment:
-                        boundary_factors[i] = tf.pow(2.0, totals[segment])
-                        if factors[i] is not None:
-                            factors[i] = factor * tf.where(
-                                already_unscaled, boundary_factors[i], 1.0
-                            )
-            self._record_gradient_stats(grads, factors, checked, trainable_variables,
-                                        should_apply, boundary_factors)
-        if should_apply is True:
-            self.inner_optimizer.apply(unscaled, trainable_variables)
-            return
-        if plan.skip == "masked":
-            audit = _masked_update.apply(
-                self.inner_optimizer, unscaled, trainable_variables, should_apply
-            )
-            if audit.exact:
-                return
-            # What actually runs: a cond (inside the compiled apply, if any).
-            self.step_plan = dataclasses.replace(
-                self.step_plan, skip="cond", reason=f"the audit failed: {audit.reason}"
-            )
-            self._warn_fallback(audit.reason)
-        _distribute.apply_if(should_apply, self.inner_optimizer.apply, (unscaled, trainable_variables))
-
-    def _update_loss_scale(self, checked, unscaled, trainable_variables, scale, live_scale,
-                           grads=None, boundary=None):
-        """Decides whether this step applies (replica-agreed) and steps the scale.
-
-        With scale boundaries (`boundary`: this step's exponents, segment
-        totals, unscaled flag and per-gradient dividers) the check reads each
-        gradient once (`_check_with_boundaries`) and the factors adapt.
-        """
-        loss_scale = self.loss_scale
-        if isinstance(loss_scale, loss_scale_lib.FixedLossScale):
-            return True
-        custom = loss_scale_lib.has_custom_update(loss_scale)
-        if custom:
-            # A custom scale (or a DynamicLossScale subclass with its own
-            # update()) decides from the unscaled gradients, as in TF 2.4.
-            _, should_apply = loss_scale.update(unscaled)
-            if should_apply is True:
-                return True
-        self._check_variables_are_known(trainable_variables)
-        present = [i for i, g in enumerate(checked) if g is not None]
-        positions = [self._get_variable_index(trainable_variables[i]) for i in present]
-        with_boundaries = boundary is not None and not custom
-        if with_boundaries:
-            counts, largest = self._check_with_boundaries(grads, present, boundary[-1])
-        else:
-            # Per gradient: how many replicas saw NaN/Inf (the same on all replicas).
-            counts = finite.nonfinite_counts(
-                finite.gradient_values([checked[i] for i in present]), across_replicas=True
-            )
-        # A step whose sums could overflow is skipped too (naming its variables),
-        # whatever a custom scale decided; but a lower scale cannot help (the
-        # sums are of divided gradients), so such a veto leaves the scale.
-        may_overflow = self._sums_may_overflow([unscaled[i] for i in present],
-                                               [trainable_variables[i] for i in present])
-        vetoed = tf.constant(False) if may_overflow is None else tf.reduce_any(may_overflow)
-        global_shrinks = None
-        if custom:
-            # The custom decision, made the same on every replica.
-            vetoes = tf.cast(tf.logical_not(should_apply), tf.float32)
-            all_finite = tf.equal(_distribute.sum_over_replicas(vetoes), 0.0)
-            is_finite = tf.logical_and(all_finite, tf.logical_not(vetoed))
-        else:
-            all_finite = tf.equal(tf.reduce_sum(counts), 0.0)
-            is_finite = tf.logical_and(all_finite, tf.logical_not(vetoed))
-            if with_boundaries:
-                global_shrinks = self._update_boundaries(
-                    boundary, is_finite, counts, largest, positions, scale
-                )
-            # A skipped step resets the good-step count; only non-finite
-            # gradients the global scale answers for shrink it.
-            shrink = global_shrinks
-            if may_overflow is not None:
-                shrink = tf.logical_not(all_finite)
-                if global_shrinks is not None:
-                    shrink = tf.logical_and(shrink, global_shrinks)
-            loss_scale.update_from_decision(is_finite, shrink=shrink)
-        num_variables = len(self._trainable_variables)
-
-        def over_all_variables(flags):  # a bool vector over `present` -> over every variable
-            if positions == list(range(num_variables)):
-                return flags
-            indices = tf.constant(positions, tf.int32, shape=[len(positions), 1])
-            return tf.scatter_nd(indices, tf.cast(flags, tf.float32), [num_variables]) > 0
-
-        mask = over_all_variables(counts > 0)
-        sum_mask = None
-        if may_overflow is not None:
-            # Reported apart: finite gradients whose sums could overflow.
-            sum_mask = over_all_variables(tf.logical_and(may_overflow, counts == 0))
-        min_loss_scale = getattr(loss_scale, "min_loss_scale", None)
-        if min_loss_scale is None:
-            stuck = tf.constant(False)
-        else:
-            stuck = tf.logical_and(tf.logical_not(all_finite), live_scale <= min_loss_scale)
-            if global_shrinks is not None:
-                stuck = tf.logical_and(stuck, global_shrinks)
-        if may_overflow is not None:
-            # A veto is stuck at any scale: min_scale_policy reports it.
-            stuck = tf.logical_or(stuck, vetoed)
-        self._overflow.record(is_finite, mask, tf.cast(self.iterations, tf.int64), stuck,
-                              sum_mask)
-        return is_finite
-
-    def _sums_may_overflow(self, unscaled, variables):
-        """Per gradient, whether a sum the inner optimizer forms from it could overflow (a bool
-        vector, the same on every replica); None where it forms none.
-
-        The rule: a step applies only if the sums the inner optimizer forms of
-        the divided gradients are finite too: the replicas' sum (several
-        replicas), the rows of one index (`tf.IndexedSlices`) and the window's
-        accumulated gradient (``gradient_accumulation_steps``). See
-        `finite.sums_may_overflow`; with one replica the accumulated sum is
-        read exactly, as Keras adds it.
-        """
-        replicas = _distribute.replicas_in_sync()
-        count = len(unscaled)
-        accumulators = [self._accumulator_of(v) for v in variables]
-        accumulating = [k for k, a in enumerate(accumulators) if a is not None]
-        found = []  # (positions, bool vector over them)
-        # With one replica a dense gradient's elements are applied as they are:
-        # only the IndexedSlices are read again.
-        summed = (list(range(count)) if replicas > 1 else
-                  [k for k, g in enumerate(unscaled) if isinstance(g, tf.IndexedSlices)])
-        if summed:
-            extra = None
-            if accumulating and replicas > 1:
-                # The accumulator is added to the replicas' sum: one more term.
-                largest = iter(finite.largest_magnitudes(
-                    [tf.convert_to_tensor(accumulators[k]) for k in accumulating]))
-                extra = [tf.constant(0.0, tf.float64) if accumulators[k] is None
-                         else tf.cast(next(largest), tf.float64) for k in summed]
-            found.append((summed, finite.sums_may_overflow(
-                [unscaled[k] for k in summed], across_replicas=replicas > 1,
-                extra_bounds=extra)))
-        if accumulating and replicas == 1:
-            found.append((accumulating, tf.logical_not(finite.accumulated_sums_finite(
-                [unscaled[k] for k in accumulating], [accumulators[k] for k in accumulating]))))
-        if not found:
-            return None
-        flags = tf.zeros([count])
-        for positions, bad in found:
-            if positions != list(range(count)):
-                bad = tf.scatter_nd(tf.constant([[k] for k in positions], tf.int32),
-                                    tf.cast(bad, tf.float32), [count])
-            flags = flags + tf.cast(bad, tf.float32)
-        return flags > 0.0
-
-    def _accumulator_of(self, variable):
-        """The inner optimizer's gradient accumulator of `variable` (that of the
-        sub-optimizer updating it, in a `MultiOptimizer`), or None."""
-        if getattr(variable, "overwrite_with_gradient", False):
-            return None  # Keras keeps the micro-batches' maximum, not their sum
-        inner = self.inner_optimizer
-        if getattr(inner, "_var_to_optimizer_idx", None) is not None:  # MultiOptimizer
-            inner = inner.optimizers[inner._var_to_optimizer_idx[inner._var_key(variable)]]
-        if not getattr(inner, "gradient_accumulation_steps", None):
-            return None
-        return inner._accumulated_gradients[inner._get_variable_index(variable)]
-
-    def _check_with_boundaries(self, grads, present, divisions):
-        """Per present gradient: how many replicas saw a non-finite gradient *after* its
-        division, and its largest scaled magnitude (float32), both the same on every replica.
-
-        A boundary's factor may be below 1 (a negative exponent, or a loss scale
-        below 1), so a finite gradient can overflow when divided. Dividing is
-        monotonic in magnitude, so the quotient of the largest magnitude
-        (`finite.largest_magnitudes`, +inf for NaN/Inf) by the gradient's own
-        divisor is finite exactly when every element's is: one reading of
-        each gradient answers both the check and the adaptation. The
-        quotients are computed per kind of division and dtype as vectors
-        (elementwise, the same arithmetic as each gradient's), so a step
-        costs a few operations, not a few per gradient.
-        """
-        largest = finite.largest_magnitudes(finite.gradient_values([grads[i] for i in present]))
-        groups = {}
-        for k, i in enumerate(present):
-            groups.setdefault((divisions.kinds[i], largest[k].dtype), []).append(k)
-        bad, magnitudes, order = [], [], []
-        for (kind, _), members in groups.items():
-            stacked = tf.stack([largest[k] for k in members])
-            if kind == "value":
-                quotient = divisions.as_value(stacked)
-            elif kind == "scale":
-                quotient = divisions.by_scale(stacked)
-            else:
-                quotient = divisions.by_boundaries(stacked, divisions.gather_divisors(
-                    [divisions.segments[present[k]] - 1 for k in members]))
-            bad.append(tf.logical_not(tf.math.is_finite(quotient)))
-            magnitudes.append(tf.cast(stacked, tf.float32))
-            order += members
-        bad, magnitudes = tf.concat(bad, 0), tf.concat(magnitudes, 0)
-        if order != sorted(order):  # back to the order of `present`
-            inverse = np.argsort(order).astype(np.int32)
-            bad, magnitudes = tf.gather(bad, inverse), tf.gather(magnitudes, inverse)
-        counts = _distribute.sum_over_replicas(tf.cast(bad, tf.float32))
-        return counts, _distribute.max_over_replicas(magnitudes)
-
-    def _update_boundaries(self, boundary, is_finite, counts, largest, positions, scale):
-        """The scale boundaries' step; returns whether the global scale answers an overflow."""
-        exponents, totals, already_unscaled, _ = boundary
-        scales = self._boundary_scales
-        bad, largest_exponents = scales.segment_figures(counts, largest, positions)
-        # Gradients given already unscaled: their scaled values are larger by
-        # 2**(log2(scale) + T).
-        scale_bits = tf.cast(_division.exponent_of(scale), tf.float32)
-        largest_exponents = largest_exponents + tf.where(already_unscaled, scale_bits + totals, 0.0)
-        return scales.update(exponents, totals, is_finite, bad, largest_exponents,
-                             self.iterations)
-
-    def _record_gradient_stats(self, grads, factors, checked, trainable_variables,
-                               should_apply, boundary_factors=None):
-        present = [i for i, g in enumerate(grads) if g is not None]
-        stats = stats_lib.worst_over_replicas(
-            stats_lib.tensor_stats(
-                finite.gradient_values([grads[i] for i in present]),
-                [factors[i] for i in present],
-            )
-        )
-        ones = tf.constant(1.0)
-        boundary_row = tf.stack([
-            ones if boundary_factors is None or boundary_factors[i] is None
-            else tf.cast(boundary_factors[i], tf.float32)
-            for i in present
-        ])
-        stats = tf.concat([stats, boundary_row[tf.newaxis]], axis=0)
-        if should_apply is True:  # a fixed scale: keep finite steps' figures only
-            should_apply = finite.all_finite([checked[i] for i in present], across_replicas=True)
-        positions = [self._get_variable_index(trainable_variables[i]) for i in present]
-        self._stats.record(should_apply, stats, positions)
-
-    def _warn_fallback(self, reason):
-        if self._fallback_warned:
-            return
-        self._fallback_warned = True
-        warnings.warn(
-            f"tfdls: the update of {type(self.inner_optimizer).__name__} could not be "
-            f"shown to skip exactly without a branch ({reason}); this step skips with a "
-            "tf.cond instead, which waits for the device on every step.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-
-    # -- Keras 3 LossScaleOptimizer methods, on tfdls' state ---------------------------
-
-    def check_finite(self, grads: Any) -> tf.Tensor:
-        """Keras 3's name for `tfdls.all_finite(grads)` (this replica's gradients)."""
-        return finite.all_finite(grads)
-
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        raise ValueError(
-            "stateless_apply is not supported by tfdls.LossScaleOptimizer (nor by "
-            "Keras' optimizers on the TensorFlow backend, where it conflicts with "
-            "tf.distribute); use apply()."
-        )
-
-    def _common_apply(self, grads, trainable_variables=None):
-        self.apply(grads, trainable_variables)
-
-    def _tf_apply(self, grads, trainable_variables=None):
-        self.apply(grads, trainable_variables)
-
-    def _not_used(self, *args, **kwargs):
-        raise NotImplementedError(
-            "tfdls.LossScaleOptimizer does not use Keras' LossScaleOptimizer step "
-            "helpers (its state is in `loss_scale`); call apply()."
-        )
-
-    _stateful_handle_finite_grads = _not_used
-    _stateful_handle_non_finite_grads = _not_used
-    _stateless_handle_finite_grads = _not_used
-    _stateless_handle_non_finite_grads = _not_used
 
     def finalize_variable_values(self, var_list):
         """Called by `fit` at the end of training: also applies `min_scale_policy`."""
@@ -1163,7 +458,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if self._overflow is None:  # not built yet
             return None
         self.check_min_scale_policy()
-        skipped = getattr(self.loss_scale, "num_skipped_steps", None)
+        skipped = self.loss_scale.skipped_steps
         report = self._overflow.last_overflow(
             self.loss_scale().numpy(), 0 if skipped is None else skipped.numpy()
         )
@@ -1208,9 +503,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         logging frequency, `fit` at the end of training; in a custom loop,
         call it as often as you want to hear of a stuck scale.
         """
-        if self._overflow is not None and isinstance(
-            self.loss_scale, loss_scale_lib.DynamicLossScale
-        ):
+        if self._overflow is not None and self.loss_scale.dynamic:
             self._overflow.check_policy(self.loss_scale.min_loss_scale)
 
     # -- saving -------------------------------------------------------------------
@@ -1228,38 +521,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         }
 
     def load_own_variables(self, store: Any) -> None:
-        """Restores the state `save_own_variables` wrote, tfdls' or Keras 3's.
-
-        Keras 3's `LossScaleOptimizer` writes its iterations and learning
-        rate, its step counter and scale, then the inner optimizer's
-        variables. With a `DynamicLossScale`, such a store restores the
-        scale and the good-step count (Keras' step counter counts the same
-        steps); the hysteresis budget starts full and the monitoring
-        counters keep their values, as Keras keeps neither.
-        """
-        own = len(self._variables)
-        keras_layout = own + 2 + len(self.inner_optimizer.variables)
-        if not (
-            isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale)
-            and len(store.keys()) == keras_layout != len(self.variables)
-        ):
+        """Restores the state `save_own_variables` wrote, tfdls' or Keras 3's (see
+        `tfdls._keras_style.load_keras_layout`)."""
+        if not _keras_style.load_keras_layout(self, store):
             super().load_own_variables(store)
-            return
-        values = [np.asarray(store[str(i)]) for i in range(keras_layout)]
-        ls = self.loss_scale
-        for variable, value in zip(self._variables, values[:own]):
-            variable.assign(value)
-        ls.num_good_steps.assign(int(values[own]))
-        # Keras' scale has no bounds (it can reach 0 or inf); tfdls' scale
-        # stays within them, so a value outside is moved to the nearest bound.
-        scale = float(values[own + 1])
-        upper = ls.max_loss_scale or float(np.finfo(np.float32).max)
-        ls.current_loss_scale.assign(
-            ls.initial_loss_scale if np.isnan(scale) else min(max(scale, ls.min_loss_scale), upper)
-        )
-        ls.hysteresis_budget.assign(ls.hysteresis)
-        for variable, value in zip(self.inner_optimizer.variables, values[own + 2:]):
-            variable.assign(value)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: dict | None = None) -> LossScaleOptimizer:
@@ -1278,16 +543,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
-        if "learning_rate" in config:
-            # Older Keras configs may hold the wrapper's own rate, which Keras
-            # fixes at 0 (the inner optimizer's rate is the one that acts).
-            learning_rate = config.pop("learning_rate")
-            if not _is_unset(learning_rate, 0.0):
-                raise ValueError(
-                    "LossScaleOptimizer.from_config: the config's learning_rate="
-                    f"{learning_rate!r} is not the wrapper's unused rate of 0; set "
-                    "learning_rate on the `inner_optimizer` config."
-                )
-        optimizer = cls(inner, **config)
+        optimizer = cls(inner, **_keras_style.drop_unused_learning_rate(config))
         optimizer._boundaries_expected = expects_boundaries
         return optimizer

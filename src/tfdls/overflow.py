@@ -213,32 +213,41 @@ class OverflowRecord(tf.Module):
         )
         self.sum_step = state_variable("sum_overflow_step", -1, tf.int64)
 
-    def record(self, is_finite, nonfinite_mask, applied_steps, stuck, sum_mask=None):
+    def record(self, decision, positions, applied_steps):
         """In-step, branch-free: counts the step; records a skipped step's attribution.
 
         Args:
-            is_finite: the step's (replica-agreed) decision, a scalar bool.
-            nonfinite_mask: bool vector over `variable_names`: which gradients
-                were non-finite on any replica.
+            decision: the step's (replica-agreed) `tfdls._decision.Decision`:
+                ``is_finite``, per gradient ``nonfinite`` and ``sums_overflow``
+                (None where the inner optimizer forms no sums of the
+                gradients), and ``stuck``.
+            positions: per gradient of the decision, its index in
+                `variable_names`.
             applied_steps: the optimizer's iterations (int64 scalar).
-            stuck: scalar bool: the step overflowed with the scale at its
-                minimum.
-            sum_mask: None where the inner optimizer forms no sums of the
-                gradients, else a bool vector over `variable_names`: whose
-                finite gradients' sums could overflow (not in `nonfinite_mask`).
         """
+        is_finite = decision.is_finite
         step = tf.convert_to_tensor(self.steps)
         self.steps.assign(step + 1)
         if self.attribution:
-            self.mask.assign(tf.where(is_finite, self.mask, nonfinite_mask))
-            if sum_mask is not None:
+            self.mask.assign(tf.where(is_finite, self.mask,
+                                      self._over_variables(decision.nonfinite, positions)))
+            if decision.sums_overflow is not None:
+                sum_mask = self._over_variables(decision.sums_overflow, positions)
                 self.sum_mask.assign(tf.where(is_finite, self.sum_mask, sum_mask))
                 self.sum_step.assign(tf.where(is_finite, self.sum_step, step))
         self.last_step.assign(tf.where(is_finite, self.last_step, step))
         self.last_applied_steps.assign(
             tf.where(is_finite, self.last_applied_steps, applied_steps)
         )
-        self.stuck_overflows.assign_add(tf.cast(stuck, tf.int64))
+        self.stuck_overflows.assign_add(tf.cast(decision.stuck, tf.int64))
+
+    def _over_variables(self, flags, positions):
+        """A bool vector over `positions` -> over every variable (False elsewhere)."""
+        count = len(self.variable_names)
+        if list(positions) == list(range(count)):
+            return flags
+        indices = tf.constant(positions, tf.int32, shape=[len(positions), 1])
+        return tf.scatter_nd(indices, tf.cast(flags, tf.float32), [count]) > 0
 
     def last_overflow(self, loss_scale, num_skipped_steps):
         """Host read: an `OverflowReport`, or None (no overflow, or attribution off)."""

@@ -1,0 +1,255 @@
+"""One `LossScaleOptimizer` step, as one pipeline.
+
+`run` reads top to bottom as the step runs: the gradients given (None ones
+set aside once), divide each by what multiplied it (the scale `scale_loss`
+recorded, see `tfdls._record`), decide (a `tfdls._decision.Decision`), step
+the scale, record, then apply or skip. It returns the plan that ran: the
+`StepPlan` it was given, or that plan with a ``cond`` where the masked
+update's audit failed.
+
+Per-layer scales plug in through one object, the optimizer's
+`BoundaryScales` (None without boundaries): `begin_step` returns this
+step's divisors, check and adaptation (`tfdls.boundaries.BoundaryStep`).
+Without boundaries nothing of it runs or is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import tensorflow as tf
+
+from tfdls import _compat, _distribute, _division, _masked_update, finite
+from tfdls import gradient_stats as stats_lib
+from tfdls._decision import ALWAYS_APPLIES, Decision
+from tfdls._plan import Skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Division:
+    """How this step divides a gradient: by `divisor`, the recorded scale (1 where
+    `get_unscaled_gradients` already divided this step's gradients), the way `how`
+    says (`tfdls._division.divide`)."""
+
+    scale: Any
+    already_unscaled: Any
+    how: str
+
+    @property
+    def divisor(self):
+        return tf.where(self.already_unscaled, tf.ones_like(self.scale), self.scale)
+
+    def by_scale(self, grad):
+        return _division.divide(grad, self.divisor, self.how)
+
+    def as_value(self, grad):
+        """The "gradient" of an `overwrite_with_gradient` variable, a value never divided:
+        multiplied back where get_unscaled_gradients divided it (exact for a power of two)."""
+        if grad is None:
+            return None
+        grad = tf.convert_to_tensor(grad)
+        return tf.where(self.already_unscaled, _division.multiply(grad, self.scale), grad)
+
+
+def run(opt, plan, grads, variables):
+    """Executes `plan` for one `apply` of `grads` to `variables`; returns the plan that ran."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    positions = opt._positions(variables)
+    # The scale the gradients were multiplied by: recorded by scale_loss, not
+    # re-read (an earlier apply of this step may have changed it).
+    live, scale = opt._scales(positions)
+    if opt.loss_scale.can_skip:
+        opt._record.mark_applied(positions)
+    # The unscaling rule, at run time: divide by 1 if get_unscaled_gradients
+    # already divided this step's gradients.
+    division = Division(scale, opt._unscaling.consume(), plan.division)
+    boundary = None
+    if opt._boundary_scales is not None:
+        boundary = opt._boundary_scales.begin_step(division, positions, opt.iterations)
+
+    unscaled = [None] * len(grads)
+    for i in present:
+        if not plan.divide[i]:
+            unscaled[i] = division.as_value(grads[i])
+        elif boundary is None or boundary.divisor_of(i) is None:
+            unscaled[i] = division.by_scale(grads[i])
+        else:
+            unscaled[i] = boundary.divide(grads[i], i)
+    checked = grads if plan.check == "scaled" else unscaled
+    decision = _decide(opt, grads, checked, unscaled, variables, present, positions, live,
+                       boundary, plan)
+    if opt._stats is not None:
+        _record_stats(opt, plan, grads, checked, present, positions, division, boundary,
+                      decision)
+    return _apply_or_skip(opt, plan, decision, unscaled, variables)
+
+
+def run_compiled(opt, plan, grads, variables):
+    """`run` as its own XLA cluster: check, division and update fuse."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    ran = []
+
+    def compiled_step(present_grads):
+        full = [None] * len(grads)
+        for i, g in zip(present, present_grads):
+            full[i] = g
+        ran.append(run(opt, dataclasses.replace(plan, compile=False), full, variables))
+
+    tf.function(compiled_step, jit_compile=True, autograph=False)([grads[i] for i in present])
+    return dataclasses.replace(ran[-1], compile=True)
+
+
+def _decide(opt, grads, checked, unscaled, variables, present, positions, live, boundary,
+            plan):
+    """Checks the gradients, agrees across replicas, steps the scale (and the boundaries)
+    and records the step; returns its `Decision`."""
+    loss_scale = opt.loss_scale
+    if not loss_scale.can_skip:
+        return ALWAYS_APPLIES
+    custom = loss_scale.decides_from_gradients
+    if custom:
+        # A custom scale (or a DynamicLossScale subclass with its own update())
+        # decides from the unscaled gradients, as in TF 2.4.
+        _, verdict = loss_scale.update(unscaled)
+        if verdict is True:
+            return ALWAYS_APPLIES
+    if boundary is not None and not custom:
+        # Each gradient divided by its own divisor can overflow (a factor below 1).
+        counts, largest = boundary.check(grads, present, plan.divide)
+    else:
+        # Per gradient: how many replicas saw NaN/Inf (the same on all replicas).
+        counts = finite.nonfinite_counts(
+            finite.gradient_values([checked[i] for i in present]), across_replicas=True)
+    # A step whose sums could overflow is skipped too, whatever a custom scale
+    # decided; a lower scale cannot help (they are sums of divided gradients).
+    may_overflow = _sums_may_overflow(opt.inner_optimizer, [unscaled[i] for i in present],
+                                      [variables[i] for i in present])
+    vetoed = tf.constant(False) if may_overflow is None else tf.reduce_any(may_overflow)
+    if custom:
+        vetoes = tf.cast(tf.logical_not(verdict), tf.float32)  # the same on every replica
+        all_finite = tf.equal(_distribute.sum_over_replicas(vetoes), 0.0)
+    else:
+        all_finite = tf.equal(tf.reduce_sum(counts), 0.0)
+    is_finite = tf.logical_and(all_finite, tf.logical_not(vetoed))
+    lowers_scale = tf.logical_not(all_finite)
+    stuck = tf.constant(False)
+    if loss_scale.min_value is not None:
+        stuck = tf.logical_and(lowers_scale, live <= loss_scale.min_value)
+    if boundary is not None and not custom:
+        # A boundary that can go lower answers its block's overflow instead.
+        answered_by_scale = boundary.adapt(is_finite, counts, largest,
+                                           [positions[i] for i in present])
+        lowers_scale = tf.logical_and(lowers_scale, answered_by_scale)
+        stuck = tf.logical_and(stuck, answered_by_scale)
+    if may_overflow is not None:
+        stuck = tf.logical_or(stuck, vetoed)  # a veto is stuck at any scale
+    decision = Decision(
+        is_finite=is_finite,
+        nonfinite=counts > 0,
+        sums_overflow=None if may_overflow is None
+        else tf.logical_and(may_overflow, counts == 0),
+        lowers_scale=lowers_scale,
+        stuck=stuck,
+    )
+    if not custom:  # a custom scale stepped in its own update()
+        loss_scale.update_from_decision(decision)
+    opt._overflow.record(decision, [positions[i] for i in present],
+                                  tf.cast(opt.iterations, tf.int64))
+    return decision
+
+
+def _apply_or_skip(opt, plan, decision, unscaled, variables):
+    if decision.always_applies:
+        opt.inner_optimizer.apply(unscaled, variables)
+        return plan
+    if plan.skip == Skip.MASKED:
+        audit = _masked_update.apply(opt.inner_optimizer, unscaled, variables, decision.is_finite)
+        if audit.exact:
+            return plan
+        # What runs instead: a cond (inside the compiled apply, if any).
+        plan = dataclasses.replace(plan, skip=Skip.COND,
+                                   reason=f"the audit failed: {audit.reason}")
+        _warn_fallback(opt, audit.reason)
+    _distribute.apply_if(decision.is_finite, opt.inner_optimizer.apply, (unscaled, variables))
+    return plan
+
+
+def _warn_fallback(opt, reason):
+    if opt._fallback_warned:
+        return
+    opt._fallback_warned = True
+    warnings.warn(
+        f"tfdls: the update of {type(opt.inner_optimizer).__name__} could not be "
+        f"shown to skip exactly without a branch ({reason}); this step skips with a "
+        "tf.cond instead, which waits for the device on every step.",
+        RuntimeWarning,
+        stacklevel=5,  # the caller of apply()
+    )
+
+
+def _sums_may_overflow(inner_optimizer, unscaled, variables):
+    """Per gradient, whether a sum the inner optimizer forms from it could overflow (a bool
+    vector, the same on every replica); None where it forms none.
+
+    The rule: a step applies only if the sums the inner optimizer forms of
+    the divided gradients are finite too: the replicas' sum (several
+    replicas), the rows of one index (`tf.IndexedSlices`) and the window's
+    accumulated gradient (``gradient_accumulation_steps``). See
+    `finite.sums_may_overflow`; with one replica the accumulated sum is
+    read exactly, as Keras adds it.
+    """
+    replicas = _distribute.replicas_in_sync()
+    count = len(unscaled)
+    accumulators = [_compat.gradient_accumulator(inner_optimizer, v) for v in variables]
+    accumulating = [k for k, a in enumerate(accumulators) if a is not None]
+    found = []  # (positions, bool vector over them)
+    # With one replica a dense gradient's elements are applied as they are:
+    # only the IndexedSlices are read again.
+    summed = (list(range(count)) if replicas > 1 else
+              [k for k, g in enumerate(unscaled) if isinstance(g, tf.IndexedSlices)])
+    if summed:
+        extra = None
+        if accumulating and replicas > 1:
+            # The accumulator is added to the replicas' sum: one more term.
+            largest = iter(finite.largest_magnitudes(
+                [tf.convert_to_tensor(accumulators[k]) for k in accumulating]))
+            extra = [tf.constant(0.0, tf.float64) if accumulators[k] is None
+                     else tf.cast(next(largest), tf.float64) for k in summed]
+        found.append((summed, finite.sums_may_overflow(
+            [unscaled[k] for k in summed], across_replicas=replicas > 1, extra_bounds=extra)))
+    if accumulating and replicas == 1:
+        found.append((accumulating, tf.logical_not(finite.accumulated_sums_finite(
+            [unscaled[k] for k in accumulating], [accumulators[k] for k in accumulating]))))
+    if not found:
+        return None
+    flags = tf.zeros([count])
+    for positions, bad in found:
+        if positions != list(range(count)):
+            bad = tf.scatter_nd(tf.constant([[k] for k in positions], tf.int32),
+                                tf.cast(bad, tf.float32), [count])
+        flags = flags + tf.cast(bad, tf.float32)
+    return flags > 0.0
+
+
+def _record_stats(opt, plan, grads, checked, present, positions, division, boundary, decision):
+    """Figures of the scaled gradients: the gradients as given, times the scale (and the
+    boundaries' factors) where get_unscaled_gradients divided them."""
+    already_unscaled = division.already_unscaled
+    factor = tf.where(already_unscaled, division.scale, tf.ones_like(division.scale))
+    factors, boundary_factors = [], []
+    for i in present:
+        f = factor if plan.divide[i] else None
+        b = None if boundary is None else boundary.factor_of(i)
+        if b is not None and f is not None:
+            f = factor * tf.where(already_unscaled, b, 1.0)
+        factors.append(f)
+        boundary_factors.append(tf.constant(1.0) if b is None else tf.cast(b, tf.float32))
+    stats = stats_lib.worst_over_replicas(stats_lib.tensor_stats(
+        finite.gradient_values([grads[i] for i in present]), factors))
+    stats = tf.concat([stats, tf.stack(boundary_factors)[tf.newaxis]], axis=0)
+    is_finite = decision.is_finite
+    if decision.always_applies:  # keep finite steps' figures only
+        is_finite = finite.all_finite([checked[i] for i in present], across_replicas=True)
+    opt._stats.record(is_finite, stats, [positions[i] for i in present])
