@@ -16,8 +16,9 @@ import tensorflow as tf
 
 import tfdls
 
+# Every module, those of subpackages (tfdls.boundaries.*) included.
 MODULES = sorted(
-    name for _, name, _ in pkgutil.iter_modules(tfdls.__path__, prefix="tfdls.")
+    name for _, name, _ in pkgutil.walk_packages(tfdls.__path__, prefix="tfdls.")
 )
 
 

@@ -1,4 +1,4 @@
-"""One reading of the boundaries' factors per backward pass (`tfdls._factor_readings`).
+"""One reading of the boundaries' factors per backward pass (`tfdls.boundaries.readings`).
 
 The rule under test: in a traced function a group's reading is reused only
 while no operation created after it takes one of the group's variable handles
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tfdls
-from tfdls import _factor_readings
+from tfdls.boundaries import readings as _factor_readings
 
 LOW, HIGH = -3, 6  # the boundaries' bounds in these tests
 

@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 
 from tfdls import _compat
+from tfdls.optimizer import LossScaleOptimizer
 
 # tf.summary.scalar needs the tensorboard package, which tensorflow-cpu does
 # not install; writing with the scalars plugin's metadata needs nothing more.
@@ -18,8 +19,6 @@ _SCALAR_METADATA = _compat.summary_pb2.SummaryMetadata(
 
 
 def _find_loss_scale_optimizer(model):
-    from tfdls.optimizer import LossScaleOptimizer
-
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, LossScaleOptimizer):
         raise ValueError(

@@ -8,10 +8,11 @@ from typing import Any, Iterable, Sequence
 import keras
 import tensorflow as tf
 
-from tfdls import _bfloat16, _boundary_scales, _compat, _division, _keras_style, _plan
+from tfdls import _bfloat16, _compat, _division, _keras_style, _plan
 from tfdls import _record, _step, _unscaling
 from tfdls._bfloat16 import BFloat16Warning  # noqa: F401 (tfdls.optimizer.BFloat16Warning)
 from tfdls import boundaries as boundaries_lib
+from tfdls.boundaries.step import BoundaryScales
 from tfdls import overflow
 from tfdls import gradient_stats as stats_lib
 from tfdls import loss_scale as loss_scale_lib
@@ -171,7 +172,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
         self.step_plan = None
         # Scale boundaries (see `set_scale_boundaries`): the one object through
         # which per-layer scales plug into the step; None without them.
-        self._boundary_scales: _boundary_scales.BoundaryScales | None = None
+        self._boundary_scales: BoundaryScales | None = None
         self._boundaries_expected = False
         if scale_boundaries is not None:
             self.set_scale_boundaries(scale_boundaries)
@@ -195,7 +196,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
         boundary_map = boundaries_lib.read_boundaries(model)
         boundaries_lib.take_ownership(boundary_map)
         boundaries_lib.guard_layers_below(model, boundary_map)
-        self._boundary_scales = _boundary_scales.BoundaryScales(boundary_map)
+        self._boundary_scales = BoundaryScales(boundary_map)
         self._boundaries_expected = True
         if self.built:
             self._boundary_scales.build(self._trainable_variables)

@@ -1,4 +1,4 @@
-"""The scale boundaries' arithmetic inside `LossScaleOptimizer`'s step.
+"""The plug-in: the scale boundaries' part of `LossScaleOptimizer`'s step.
 
 The algorithm is written once, in `tfdls.ScaleBoundary`'s docstring; this
 module computes it on the device, branch-free: per block of variables (a
@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdls import _compat, _distribute, _division, finite
-from tfdls import boundaries as boundaries_lib
+from tfdls.boundaries import layers, ownership, registry
 
 
 def binary_exponent(value):
@@ -54,6 +54,9 @@ class _Tree:
         for k, chain in enumerate(chains):
             self.chains[k, :len(chain)] = chain
         self.parents = np.array([count if p < 0 else p for p in parents] + [count], np.int32)
+        # Row k selects k's parent (the sentinel's is itself): `update` reads the
+        # parents' totals as a reduction over a row, not a gather (see there).
+        self.is_parent = self.parents[:, np.newaxis] == np.arange(count + 1)[np.newaxis, :]
         self.mins = np.array([b.min_log2_factor for b in boundaries], np.float32)
         self.maxs = np.array([b.max_log2_factor for b in boundaries], np.float32)
         self.margins = np.array([b.margin_bits for b in boundaries], np.float32)
@@ -99,7 +102,7 @@ class BoundaryScales(tf.Module):
                     "boundaries its gradient crossed. Give the optimizer the model that "
                     "holds every variable it updates."
                 )
-            boundaries_lib.check_float64_chain(
+            layers.check_float64_chain(
                 f"the variable {getattr(variable, 'path', variable.name)!r}", variable.dtype,
                 chain)
             segment = 0 if not chain else 1 + chain[0]
@@ -116,7 +119,7 @@ class BoundaryScales(tf.Module):
         factor read as `ScaleBoundary.exponent` reads it, all at once."""
         if not self._tree.count:
             return tf.zeros([0])
-        return boundaries_lib.current_exponents(self.boundaries)
+        return ownership.current_exponents(self.boundaries)
 
     def recorded_exponents(self):
         """The exponent per boundary that this step's backward passes multiplied by (a
@@ -188,7 +191,15 @@ class BoundaryScales(tf.Module):
         high = np.append(tree.maxs, 0.0).astype(np.float32)
         new_totals = tf.zeros([count + 1])
         for _ in range(tree.depth):
-            parent_total = tf.gather(new_totals, tree.parents)
+            # The parents' totals: per row, the largest of the one selected element
+            # and -inf, that is the parent's total bit for bit (totals are finite),
+            # as a gather would read it. Not a gather: XLA fuses the unrolled levels
+            # into one loop fusion, where each level uses its parent's total twice
+            # and the emitter expands a gathered operand once per use, so the code
+            # doubled with each level of nesting (16 nested boundaries took seconds
+            # to compile, 20 minutes). A reduction ends a fusion: one per level.
+            parent_total = tf.reduce_max(
+                tf.where(tree.is_parent, new_totals[tf.newaxis, :], -np.inf), axis=1)
             values = tf.where(moves, tf.clip_by_value(targets - parent_total, low, high), kept)
             new_totals = parent_total + values
         finite_values = values[:count]
@@ -228,7 +239,7 @@ class BoundaryScales(tf.Module):
     def max_exponent(self):
         """A static bound of |log2(loss scale * boundary factors)|."""
         depth = len(self.boundaries)
-        bound = max(abs(boundaries_lib.MIN_LOG2_FACTOR), boundaries_lib.MAX_LOG2_FACTOR)
+        bound = max(abs(layers.MIN_LOG2_FACTOR), layers.MAX_LOG2_FACTOR)
         return 128 + bound * depth
 
     def divisors(self, divisor, already_unscaled, positions, totals=None):
@@ -265,8 +276,8 @@ class BoundaryScales(tf.Module):
         boundaries."""
         exponent, pieces = divisor
         divided = _division.divide_by_power_of_two(grad, exponent, self.max_exponent, pieces)
-        for tensor in boundaries_lib._tensors_of(divided):
-            boundaries_lib.seen.add(tensor, self.boundaries, divides=True)
+        for tensor in registry.tensors_of(divided):
+            registry.seen.add(tensor, self.boundaries, divides=True)
         return divided
 
     def unscale(self, grads, positions, scale, how):
