@@ -18,6 +18,7 @@ from tfdls.loss_scale import (  # noqa: E402
     get,
     serialize,
 )
+from tfdls._forgotten_scale import UnscaledLossWarning  # noqa: E402
 from tfdls.optimizer import BFloat16Warning, LossScaleOptimizer  # noqa: E402
 from tfdls.overflow import LossScaleStuckError, OverflowReport  # noqa: E402
 from tfdls._plan import StepPlan  # noqa: E402
@@ -35,6 +36,7 @@ __all__ = [
     "ScaleBoundary",
     "StepPlan",
     "UnscaledInput",
+    "UnscaledLossWarning",
     "add_scale_boundaries",
     "all_finite",
     "deserialize",

@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from tfdls import _bfloat16, _compat, _division, _keras_style, _plan
-from tfdls import _record, _step, _unscaling
+from tfdls import _forgotten_scale, _record, _step, _unscaling
 from tfdls._bfloat16 import BFloat16Warning  # noqa: F401 (tfdls.optimizer.BFloat16Warning)
 from tfdls import boundaries as boundaries_lib
 from tfdls.boundaries.step import BoundaryScales
@@ -165,6 +165,8 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
         self._unscaling = _unscaling.UnscaleState()
         # The scale scale_loss multiplied by, which apply divides by (`tfdls._record`).
         self._record = _record.ScaleRecord()
+        # Whether a scaled loss preceded each apply (`tfdls._forgotten_scale`).
+        self._scaled_loss_watch = _forgotten_scale.ScaledLossWatch()
         # Made by build():
         self._overflow: overflow.OverflowRecord | None = None
         self._stats: stats_lib.GradientStatsRecord | None = None
@@ -250,6 +252,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
         no longer counts.
         """
         self._unscaling.begin_step()
+        self._scaled_loss_watch.scaled()
         scale = self.loss_scale()
         if self.loss_scale.can_skip:  # a scale that never skips never changes
             self._record.record(scale)
@@ -361,6 +364,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
                 )
             unscaled = self._boundary_scales.unscale(grads, positions, scale, how)
         self._unscaling.record_unscaled(grads, unscaled)
+        self._scaled_loss_watch.scaled()
         return unscaled
 
     # -- applying -----------------------------------------------------------------
@@ -380,6 +384,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
             grads, trainable_variables = self._arguments(grads, trainable_variables)
             if not grads:
                 return
+            self._scaled_loss_watch.check(trainable_variables)
             self._unscaling.check(
                 grads, [getattr(v, "path", None) or v.name for v in trainable_variables])
             self._check_boundaries_given(grads, trainable_variables)
