@@ -189,6 +189,19 @@ def test_overflow_report_and_stuck_warning_quote_the_headroom():
     assert "headroom on the last finite step: alpha had 0.3 bits" in str(report)
 
 
+def test_with_no_finite_step_the_report_quotes_no_headroom():
+    alpha = keras.Variable(np.zeros(2, "float32"), name="alpha")
+    opt = tfdls.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), tfdls.DynamicLossScale(1.0, min_loss_scale=1.0),
+        gradient_stats=True, min_scale_policy="ignore",
+    )
+    for _ in range(2):  # NaN in every batch: no finite step at all
+        opt.apply([tf.constant([NAN, 1.0])], [alpha])
+    text = str(opt.last_overflow())
+    assert "nan bits" not in text and "headroom on the last finite step" not in text
+    assert "no finite step yet" in text
+
+
 def _event_scalars(log_dir):
     values = {}
     for path in glob.glob(os.path.join(log_dir, "events.out.tfevents*")):

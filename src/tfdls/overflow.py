@@ -17,6 +17,7 @@ decides what happens when the host sees one: ``"warn"`` (once, the default),
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import numpy as np
@@ -109,7 +110,11 @@ class OverflowReport:
 def _headroom_text(names, headroom_bits):
     if not headroom_bits:
         return ""
-    parts = [f"{name} had {bits:.1f} bits" for name, bits in zip(names, headroom_bits)]
+    # NaN: no finite step has been recorded yet, so there is no headroom to show.
+    parts = [f"{name} had {bits:.1f} bits" for name, bits in zip(names, headroom_bits)
+             if not math.isnan(bits)]
+    if not parts:
+        return "; no finite step yet, so no headroom figures"
     return "; headroom on the last finite step: " + ", ".join(parts)
 
 
