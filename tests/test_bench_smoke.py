@@ -1,7 +1,8 @@
 """Smoke tests of benchmarks/: the case list, a quick run of each family's smallest case
 (JSON and table), and that the timing loop refuses a variant that did not really run.
 
-No timing assertions.
+No timing assertions. benchmarks/test_gpu.py runs only on a GPU; here it is imported,
+which checks its imports and its parametrization over the case list.
 """
 
 import importlib
@@ -128,3 +129,12 @@ def test_a_variant_that_did_not_run_is_refused():
     with pytest.raises(RuntimeError, match="idle: variables did not change"):
         timing.measure([idle], rounds=1, calls=2)
 
+
+def test_the_gpu_tests_import_and_skip_without_a_gpu():
+    import tensorflow as tf
+
+    test_gpu = _import("test_gpu")
+    marks = {m.name: m for m in test_gpu.pytestmark}
+    assert "gpu" in marks
+    assert marks["skipif"].args[0] == (not tf.config.list_physical_devices("GPU"))
+    assert test_gpu.GPU_MLP.gpu_only
