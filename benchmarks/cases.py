@@ -61,6 +61,9 @@ OVERHEAD = ("bare", "keras3", "tf_keras_bare", "tf_keras", "bare_xla_apply", "tf
 LOSS_SCALING = ("bare", "keras3", "tfdls")
 BOUNDARIES = ("global", "boundaries_every2", "boundaries_every1")
 FAMILIES = ("overhead", "boundaries", "fit")
+# What --variants may add to a family's cases beyond those they declare.
+OPTIONAL = {"overhead": (), "boundaries": ("pinned_every2", "pinned_every1", "bare"),
+            "fit": ("tfdls_nojit", "tfdls_noattr", "tfdls_stats")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +205,8 @@ def select(family, filters="", quick=False, gpu=False):
 
 
 def variants_of(case, names=None):
-    """The available variants of `case` among `names` (default: all), the baseline first."""
-    chosen = [v for v in case.variants if VARIANTS[v].available and (not names or v in names)]
+    """The variants of `case` to run: `names` (default: those it declares) that it declares
+    or its family allows (`OPTIONAL`) and that are available here, the baseline first."""
+    allowed = case.variants + OPTIONAL[case.family]
+    chosen = [v for v in names or case.variants if v in allowed and VARIANTS[v].available]
     return list(dict.fromkeys([case.variants[0]] + chosen))

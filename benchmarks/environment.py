@@ -21,12 +21,6 @@ def cpu_name():
         return platform.processor() or platform.machine()
 
 
-def gpu_names():
-    """Names of the visible GPUs (empty without one)."""
-    return [tf.config.experimental.get_device_details(gpu).get("device_name", gpu.name)
-            for gpu in tf.config.list_physical_devices("GPU")]
-
-
 def version(module_name):
     """`module.__version__`, or None if the module is not importable."""
     try:
@@ -50,7 +44,8 @@ def environment():
         "date": datetime.datetime.now().isoformat(timespec="minutes"),
         "machine": f"{cpu_name()}, {os.cpu_count()} CPUs, {platform.system()} "
                    f"{platform.machine()}",
-        "gpus": gpu_names(),
+        "gpus": [tf.config.experimental.get_device_details(gpu).get("device_name", gpu.name)
+                 for gpu in tf.config.list_physical_devices("GPU")],
         "python": platform.python_version(),
         **{name: version(name) for name in ("tensorflow", "keras", "tf_keras", "tfdls")},
         "tfdls_source_sha256": source_digest(),

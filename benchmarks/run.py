@@ -117,11 +117,10 @@ def parse_args(argv=None):
                         help=f"timed rounds per case (default: {ROUNDS})")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed calls per variant after the first (default 1)")
-    parser.add_argument("--device", default="/CPU:0", help="e.g. /CPU:0 or /GPU:0")
+    parser.add_argument("--device", default="/CPU:0", help="e.g. /CPU:0 or /GPU:0 (a GPU "
+                        "adds the cases declared gpu_only)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16"),
                         help="the gradients' dtype in the overhead family")
-    parser.add_argument("--gpu-cases", action="store_true",
-                        help="also the cases meant for a GPU only")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
     args = parser.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -139,7 +138,7 @@ def main(argv=None):
     # Each variant's step is its own tf.function of the same code, which
     # TensorFlow reports as "retracing"; timing.measure checks the real thing.
     tf.get_logger().setLevel("ERROR")
-    chosen = cases.select(args.family, args.cases, args.quick, args.gpu_cases)
+    chosen = cases.select(args.family, args.cases, args.quick, gpu="GPU" in args.device.upper())
     report = run_family(args.family, chosen, args.variants,
                         args.rounds or (QUICK_ROUNDS if args.quick else None), args.warmup,
                         args.device, args.dtype, log=lambda m: print(m, file=sys.stderr,
