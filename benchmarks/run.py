@@ -16,24 +16,11 @@ import json
 import os
 import sys
 
+import cases
+import render
+
+# TensorFlow and what needs it are imported once the family is known (see `main`).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# oneDNN's graph-mode float16 kernels made a 2-layer MLP's fit step ten times as slow on
-# a CPU (a 24-layer one sixty times), which hides what is measured here; set
-# TF_ENABLE_ONEDNN_OPTS=1 to measure with them. TensorFlow reads it once, when it loads.
-if "tensorflow" not in sys.modules:
-    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-ONEDNN = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default")
-
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-import cases  # noqa: E402
-import environment  # noqa: E402
-import fit  # noqa: E402
-import overhead  # noqa: E402
-import render  # noqa: E402
-import steps  # noqa: E402
-import timing  # noqa: E402
 
 ROUNDS = {"overhead": 15, "boundaries": 15, "fit": 5}
 QUICK_ROUNDS = 3
@@ -42,6 +29,8 @@ QUICK_ROUNDS = 3
 @contextlib.contextmanager
 def policy(name):
     """The global dtype policy `name` (None: as it is), restored on exit."""
+    import keras
+
     previous = keras.mixed_precision.global_policy()
     if name:
         keras.mixed_precision.set_global_policy(name)
@@ -54,6 +43,8 @@ def policy(name):
 def placement(family, device):
     """Where a case runs: `tf.device(device)`, except `fit` on a GPU, which Keras places
     (a GPU scope would also pull the tf.data pipeline onto it)."""
+    import tensorflow as tf
+
     if family == "fit" and "GPU" in device.upper():
         return contextlib.nullcontext()
     return tf.device(device)
@@ -78,11 +69,17 @@ def run_family(family, chosen, variants=None, rounds=None, warmup=1, device="/CP
         "results": [{"case", "params", "calls", "variants": {name: `timing.measure`'s},
         "floor" (overhead)}]}.
     """
+    import environment
+    import fit
+    import overhead
+    import steps
+    import timing
+
     rounds = rounds or ROUNDS[family]
     report = {"benchmark": "tfdls", "family": family, "environment": environment.environment(),
               "settings": {"device": device, "dtype": dtype, "rounds": rounds, "warmup": warmup,
                            "policy": None if family == "overhead" else "mixed_float16",
-                           "onednn": ONEDNN},
+                           "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default")},
               "labels": {name: v.label for name, v in cases.VARIANTS.items()}, "results": []}
     for case in chosen:
         if log:
@@ -135,6 +132,13 @@ def parse_args(argv=None):
 def main(argv=None):
     """The CLI; returns the report."""
     args = parse_args(argv)
+    if args.family != "overhead" and "tensorflow" not in sys.modules:
+        # oneDNN's graph-mode float16 kernels made a 2-layer MLP's fit step ten times as
+        # slow on a CPU (a 24-layer one sixty times), hiding what is measured; =1 measures
+        # with them. TensorFlow reads it once, when it loads.
+        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    import tensorflow as tf
+
     # Each variant's step is its own tf.function of the same code, which
     # TensorFlow reports as "retracing"; timing.measure checks the real thing.
     tf.get_logger().setLevel("ERROR")
