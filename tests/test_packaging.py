@@ -117,3 +117,14 @@ def test_readme_embeds_no_relative_image():
     )
     relative = [src for src in images if not re.match(r"[a-z]+://", src)]
     assert not relative, relative
+
+
+def test_tensorboard_comes_with_its_extra_and_the_examples():
+    """keras.callbacks.TensorBoard needs the tensorboard package (tensorflow-cpu 2.21 does not
+    install it): the `tensorboard` and `examples` extras bring it."""
+    from importlib import metadata
+
+    requirements = metadata.requires("tfdls") or []
+    for extra in ("tensorboard", "examples"):
+        assert any(r.startswith("tensorboard") and f'extra == "{extra}"' in r
+                   for r in requirements), (extra, requirements)
