@@ -69,9 +69,9 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import tfdls
-from conftest import check_memory_maps
-from contract_model import ContractModel
-from keras_optimizers import EXPORTED, make_optimizer
+from tests.conftest import check_memory_maps
+from tests.support.contract_model import ContractModel
+from tests.support.keras_optimizers import EXPORTED, make_optimizer
 
 # Programs draw None gradients on purpose (see above), and Keras warns "Gradients
 # do not exist for variables [...]" for each; whether a drawn program does so

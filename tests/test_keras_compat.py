@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfdls
-from fast_loop import slow_except
+from tests.support.fast_loop import slow_except
 
 NAN = float("nan")
 

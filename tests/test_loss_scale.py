@@ -15,15 +15,15 @@ import pytest
 import tensorflow as tf
 
 import tfdls
-from fast_loop import slow_except
-from contract_model import ContractModel
+from tests.support.fast_loop import slow_except
+from tests.support.contract_model import ContractModel
 
 F32 = np.float32
 F32_MAX = float(np.finfo(np.float32).max)
 
 
 # The plain-Python model of the documented contract is ContractModel
-# (tests/contract_model.py), shared with the property tests.
+# (tests/support/contract_model.py), shared with the property tests.
 
 
 def _state(ls):

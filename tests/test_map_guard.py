@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import MAPS_HEADROOM, memory_maps
+from tests.conftest import MAPS_HEADROOM, memory_maps
 
 pytestmark = pytest.mark.slow  # subprocesses: run by CI, not by the fast loop
 

@@ -23,8 +23,8 @@ import pytest
 import tensorflow as tf
 
 import tfdls
-from keras_optimizers import EXPORTED, make_optimizer
-from test_masked_update import COMPILED_ULPS, _bits, _ulps
+from tests.support.keras_optimizers import EXPORTED, make_optimizer
+from tests.test_masked_update import COMPILED_ULPS, _bits, _ulps
 
 NAN = float("nan")
 SCALE = 2.0**10

@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 
 import tfdls
-from keras_optimizers import EXPORTED, make_optimizer
+from tests.support.keras_optimizers import EXPORTED, make_optimizer
 from tfdls import _masked_update
 
 NAN = float("nan")

@@ -1,8 +1,9 @@
 """tfdls under a real two-worker MultiWorkerMirroredStrategy cluster.
 
-Each worker is a separate process (tests/multi_worker_job.py) with its own
-TF_CONFIG, one CPU replica each, talking over gRPC on 127.0.0.1. Starting
-TensorFlow is the expensive part, so one cluster run serves several tests:
+Each worker is a separate process (tests/support/jobs/multi_worker_job.py)
+with its own TF_CONFIG, one CPU replica each, talking over gRPC on 127.0.0.1.
+Starting TensorFlow is the expensive part, so one cluster run serves several
+tests:
 
 * ``training_cluster``: `model.fit`, then a custom loop in which worker 0
   alone overflows once, then worker 1 is SIGKILLed and worker 0 must fail;
@@ -18,7 +19,6 @@ import importlib.util
 import json
 import math
 import os
-import pathlib
 import signal
 import socket
 import subprocess
@@ -30,9 +30,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.support import JOBS
+
 pytestmark = pytest.mark.slow  # subprocesses: run by CI, not by the fast loop
 
-JOB_PATH = pathlib.Path(__file__).resolve().with_name("multi_worker_job.py")
+JOB_PATH = JOBS / "multi_worker_job.py"
 _spec = importlib.util.spec_from_file_location("multi_worker_job", JOB_PATH)
 job = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(job)  # NumPy only: the job imports TensorFlow in main()

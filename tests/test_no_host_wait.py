@@ -29,8 +29,8 @@ import pytest
 import tensorflow as tf
 
 import tfdls
-from fast_loop import slow_except
-from keras_optimizers import EXPORTED, make_optimizer
+from tests.support.fast_loop import slow_except
+from tests.support.keras_optimizers import EXPORTED, make_optimizer
 
 BRANCH_OPS = {"If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile"}
 HOST_OPS = {"EagerPyFunc", "PyFunc", "PyFuncStateless"}

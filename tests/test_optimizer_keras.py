@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import tfdls
-from fast_loop import slow_except
+from tests.support.fast_loop import slow_except
 
 
 def _separable_data(n=256, d=8, seed=0):

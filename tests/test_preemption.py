@@ -13,9 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support import JOBS
+
 pytestmark = pytest.mark.slow  # subprocesses: run by CI, not by the fast loop
 
-JOB = Path(__file__).parent / "jobs" / "preempt_job.py"
+JOB = JOBS / "preempt_job.py"
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
 TIMEOUT = 240
 

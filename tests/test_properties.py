@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import tfdls
-from contract_model import ContractModel
+from tests.support.contract_model import ContractModel
 
 F32 = np.float32
 F32_MAX = float(np.finfo(np.float32).max)

@@ -34,7 +34,7 @@ import pytest
 import tensorflow as tf
 
 import tfdls
-from fast_loop import slow_except
+from tests.support.fast_loop import slow_except
 
 MODES = ["eager", "function", "xla"]
 # "function": a tf.function whose applies run as their own XLA clusters

@@ -14,8 +14,8 @@ import pytest
 import tensorflow as tf
 
 import tfdls
-from fast_loop import slow_except
-from keras_optimizers import EXPORTED, make_optimizer
+from tests.support.fast_loop import slow_except
+from tests.support.keras_optimizers import EXPORTED, make_optimizer
 
 RNG = np.random.default_rng(3)
 X = RNG.normal(size=(8, 3)).astype("float32")

@@ -17,7 +17,7 @@ import tfdls
 from tfdls import boundaries as boundaries_lib
 from tfdls import _boundary_scales
 
-from keras_optimizers import EXPORTED, make_optimizer
+from tests.support.keras_optimizers import EXPORTED, make_optimizer
 
 # The fast loop (-m "not slow") runs graph mode; CI runs all three.
 MODES = [pytest.param("eager", marks=pytest.mark.slow), "graph",

@@ -20,7 +20,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tfdls
-from fast_loop import slow_except
+from tests.support.fast_loop import slow_except
 
 LR = 0.25  # a power of two: the SGD update -LR * g is exact
 MODES = ["eager", "function", "xla"]

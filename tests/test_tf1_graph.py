@@ -17,7 +17,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import rewriter_config_pb2
 
 import tfdls
-from fast_loop import slow_except
+from tests.support.fast_loop import slow_except
 
 SEED_DYNAMIC = tf.compat.v1.mixed_precision.DynamicLossScale
 SEED_FIXED = tf.compat.v1.mixed_precision.FixedLossScale

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tfdls
-from fast_loop import slow_except
+from tests.support.fast_loop import slow_except
 
 SCALE = 1024.0
 TRUE = np.array([1.0, 2.0, -3.0], "float32")
