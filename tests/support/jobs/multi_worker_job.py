@@ -1,8 +1,8 @@
 """One worker of a two-worker MultiWorkerMirroredStrategy cluster.
 
-Started by tests/test_multi_worker.py; a plain script (pytest never collects
-it and it never imports conftest.py). The cluster comes from the TF_CONFIG
-environment variable; the arguments are:
+Started by tests/distribution/test_multi_worker.py; a plain script (pytest
+never collects it and it never imports conftest.py). The cluster comes from the
+TF_CONFIG environment variable; the arguments are:
 
     multi_worker_job.py RESULT_JSON DEATH_JSON COLLECTIVE_TIMEOUT_S VICTIM MODE
 

@@ -1,6 +1,6 @@
 """A deterministic mixed_float16 training job that can be killed and resumed.
 
-Used by tests/test_preemption.py (not a test itself):
+Used by tests/saving/test_preemption.py (not a test itself):
 
     python preempt_job.py fit|loop STATE_DIR OUT.npz [--slow SECONDS]
 

@@ -6,7 +6,8 @@ the update (a scatter-add, or the dense gradient's segment sum), and
 ``gradient_accumulation_steps`` adds each micro-batch to the window's
 accumulator. The rule (`tfdls.finite.sums_may_overflow`): a step applies only
 if those sums cannot overflow; otherwise it is skipped exactly, like a
-non-finite gradient. (The replicas' sum is tested in test_optimizer_mirrored.py.)
+non-finite gradient. (The replicas' sum is tested in
+distribution/test_optimizer_mirrored.py.)
 """
 
 import keras

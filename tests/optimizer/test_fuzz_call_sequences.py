@@ -50,7 +50,7 @@ one index (applied unless twice the sum of the rows' largest magnitudes
 exceeds float16's largest value; a vetoed step keeps the loss scale).
 
 Budget: a few examples in the fast loop, more in CI's full run;
-``HYPOTHESIS_PROFILE=deep python -m pytest tests/test_fuzz_call_sequences.py``
+``HYPOTHESIS_PROFILE=deep python -m pytest tests/optimizer/test_fuzz_call_sequences.py``
 runs hundreds. The fast loop also runs explicit examples of each class above
 (`CLASS_EXAMPLES` and the `@example`s of the separate tests): the minimal
 programs hypothesis found where the code before these rules updated wrongly.
@@ -827,7 +827,7 @@ def test_call_sequences_follow_the_contract_full_budget(program):
 # MultiOptimizer needs every variable in every apply, which Keras' bare
 # optimizers under a strategy cannot give the twin (None gradients). Keras'
 # gradient accumulation cannot run in strategy.run under MirroredStrategy on
-# CPUs (tfdls raises, test_optimizer_mirrored.py).
+# CPUs (tfdls raises, distribution/test_optimizer_mirrored.py).
 STRATEGY_PROGRAMS = _programs(
     contexts=("strategy",),
     dtypes=("float32",),

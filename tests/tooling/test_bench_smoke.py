@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _import(name):

@@ -440,7 +440,7 @@ def test_bad_input_raises_clear_error(row):
 
 
 def _readme_rows():
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
     section = readme.split("### Bad input", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():

@@ -24,7 +24,7 @@ import tensorflow as tf
 
 import tfdls
 from tests.support.keras_optimizers import EXPORTED, make_optimizer
-from tests.test_masked_update import COMPILED_ULPS, _bits, _ulps
+from tests.optimizer.test_masked_update import COMPILED_ULPS, _bits, _ulps
 
 NAN = float("nan")
 SCALE = 2.0**10

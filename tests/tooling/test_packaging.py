@@ -18,7 +18,7 @@ import zipfile
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # What an sdist must carry of these folders: every file, but no caches.
 SHIPPED_TREES = ("tests", "examples")
 _JUNK = re.compile(r"(^|/)(__pycache__|\.hypothesis|\.pytest_cache)(/|$)|\.py[cod]$")

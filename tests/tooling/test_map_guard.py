@@ -13,8 +13,8 @@ from tests.conftest import MAPS_HEADROOM, memory_maps
 
 pytestmark = pytest.mark.slow  # subprocesses: run by CI, not by the fast loop
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-A_SMALL_TEST = "tests/test_loss_scale.py::test_oracle_sequences_exercise_growth_overflow_and_clamp"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+A_SMALL_TEST = "tests/scales/test_loss_scale.py::test_oracle_sequences_exercise_growth_overflow_and_clamp"
 
 
 def _pytest(max_maps, workers):

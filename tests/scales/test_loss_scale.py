@@ -568,7 +568,7 @@ def test_get_config_from_config_round_trip():
     assert tfdls.FixedLossScale.from_config(fixed.get_config()).loss_scale_value == 3.0
 
 
-# Invalid arguments: one place for all of them, tests/test_bad_input.py (the
+# Invalid arguments: one place for all of them, tests/api/test_bad_input.py (the
 # README table).
 
 
@@ -665,7 +665,7 @@ def _readme_state_names():
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
     section = readme.split("| state | read in Python |", 1)[1].split("\n\n", 1)[0]
     rows = []
     for line in section.splitlines()[2:]:
