@@ -1,0 +1,1 @@
+"""Saving, restoring and resuming: configs, .keras files, checkpoints, SavedModel, preemption."""

@@ -1,0 +1,140 @@
+"""Smoke tests of benchmarks/: the case list, a quick run of each family's smallest case
+(JSON and table), and that the timing loop refuses a variant that did not really run.
+
+No timing assertions. benchmarks/test_gpu.py runs only on a GPU; here it is imported,
+which checks its imports and its parametrization over the case list.
+"""
+
+import importlib
+import json
+import math
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+# The smallest quick case of each family.
+SMALLEST = {"overhead": "20x64x64-sgd-graph", "boundaries": "rescnn1x4-i8-b4-xla",
+            "fit": "mlp2x64-adam-graph"}
+
+
+def _import(name):
+    # Lazily, so that deselected runs never load these modules.
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
+def test_the_case_list_parses():
+    cases = _import("cases")
+    declared = list(cases.CASES) + [c.quick for c in cases.CASES if c.quick is not None]
+    names = [c.name for c in cases.CASES]
+    assert len(names) == len(set(names))
+    for case in declared:
+        assert case.family in cases.FAMILIES, case.name
+        assert case.calls >= 1 and set(case.variants) <= set(cases.VARIANTS), case.name
+    for family in cases.FAMILIES:
+        assert SMALLEST[family] in [c.name for c in cases.select(family, quick=True)]
+    # The fit cases the follow-up issue asks for.
+    fit = [c.name for c in cases.select("fit")]
+    assert {f"mlp{d}x64-{o}-{m}" for d in (2, 8, 24) for o in ("adam", "sgd")
+            for m in ("graph", "xla")} <= set(fit)
+    assert {"embedding100000x64-adam-graph", "transformer2x64-adam-auto",
+            "mlp13x64-sigmoid-adam-xla-boundaries"} <= set(fit)
+    assert "mlp4x4096-adam-xla" not in fit and "mlp4x4096-adam-xla" in [
+        c.name for c in cases.select("fit", gpu=True)]
+    assert [c.name for c in cases.select("overhead", "adam-xla")] == [
+        "24x1024x1024-adam-xla", "200x64x64-adam-xla", "emb100000x64+8x512x512-adam-xla"]
+    with pytest.raises(SystemExit, match="matches no fit case"):
+        cases.select("fit", "no-such-case")
+    # The baseline always runs, first: every ratio is taken against it.
+    case = cases.select("boundaries")[0]
+    assert cases.variants_of(case, ["boundaries_every1"]) == ["global", "boundaries_every1"]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("family", sorted(SMALLEST))
+def test_a_quick_run_of_the_smallest_case_runs_and_renders(family, tmp_path, capsys):
+    cases, run, render = _import("cases"), _import("run"), _import("render")
+    path = tmp_path / "report.json"
+    report = run.main(["--family", family, "--quick", "--cases", SMALLEST[family],
+                       "--rounds", "2", "--json", str(path)])
+    printed = capsys.readouterr().out
+    saved = json.loads(path.read_text())
+    assert saved == json.loads(json.dumps(report))
+    (result,) = saved["results"]
+    (case,) = cases.select(family, SMALLEST[family], quick=True)
+    assert result["case"] == case.name and list(result["variants"]) == cases.variants_of(case)
+    for name, v in result["variants"].items():
+        assert len(v["samples_ms"]) == 2 and v["ms"] > 0 and v["first_s"] > 0, name
+        assert math.isfinite(v["ratio"]) and v["ratio_p25"] <= v["ratio"] <= v["ratio_p75"]
+    assert result["variants"][case.variants[0]]["ratio"] == pytest.approx(1.0)
+    table = render.main([str(path)])
+    assert table in printed and f"| {case.name} ({case.calls}) | " in table
+    assert "| case (calls) | " + cases.VARIANTS[case.variants[0]].label in table
+    variants = result["variants"]
+    if family == "overhead":
+        assert result["floor"]["floor_fused"] == pytest.approx(4 / 3)  # SGD: 3 passes + 1
+        assert variants["check_only"]["ms"] > 0
+    if family == "boundaries":  # after the stem and after the block's add
+        assert [len(variants[n]["factors"]) for n in case.variants] == [0, 1, 2]
+    if family == "fit":
+        assert variants["bare"]["loss_scale"] is None  # really no loss scaling
+        assert variants["tfdls"]["step_plan"]["skip"] == "masked"
+        assert "first step tfdls/Keras 3" in table
+
+
+@pytest.mark.timeout(300)
+def test_a_variant_that_did_not_run_is_refused():
+    import keras
+    import tensorflow as tf
+
+    import tfdls
+
+    runs, timing, fit, cases = (_import(n) for n in ("runs", "timing", "fit", "cases"))
+    grads = (tf.ones((2, 2)),)
+
+    def variable():
+        return keras.Variable(np.ones((2, 2), np.float32))
+
+    w = variable()
+    noop = runs.StepRun("noop", lambda g: None, grads, "graph", [w])
+    with pytest.raises(RuntimeError, match="noop: variables did not change during warm-up"):
+        timing.measure([noop], rounds=1, calls=1)
+
+    # The check alone must answer True for the benchmark's finite gradients.
+    poisoned = runs.StepRun("check", tfdls.all_finite, ([tf.constant([np.nan])],), "xla", [])
+    with pytest.raises(RuntimeError, match="reported non-finite"):
+        timing.measure([poisoned], rounds=1, calls=1)
+
+    # Variables that change, but every step of the optimizer skipped.
+    opt, w = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1)), variable()
+
+    def skips(g):
+        w.assign_add(g)
+        opt.apply([g * np.inf], [w])
+
+    with pytest.raises(RuntimeError, match="a step was skipped during warm-up"):
+        timing.measure([runs.StepRun("skips", skips, grads, "graph", [w], opt)], 1, 1)
+
+    # A fit whose optimizer applies nothing.
+    case = cases.select("fit", "mlp2x64-adam-graph", quick=True)[0]
+    model = fit.models.build(case.params)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="sparse_categorical_crossentropy")
+    idle = runs.FitRun("idle", model, fit.dataset(case.params))
+    with pytest.raises(RuntimeError, match="idle: variables did not change"):
+        timing.measure([idle], rounds=1, calls=2)
+
+
+def test_the_gpu_tests_import_and_skip_without_a_gpu():
+    import tensorflow as tf
+
+    test_gpu = _import("test_gpu")
+    marks = {m.name: m for m in test_gpu.pytestmark}
+    assert "gpu" in marks
+    assert marks["skipif"].args[0] == (not tf.config.list_physical_devices("GPU"))
+    assert test_gpu.GPU_MLP.gpu_only
