@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import enum
 import math
 
 import tensorflow as tf
@@ -53,7 +54,17 @@ def is_power_of_two(value: float) -> bool:
     return mantissa == 0.5
 
 
-def method(power_of_two: bool, in_xla: bool) -> str:
+class Method(str, enum.Enum):
+    """How `divide` divides (see the module docstring); equal to, and printed as, its string."""
+
+    FACTORS = "factors"
+    DIVIDE = "divide"
+    DIVIDE_IN_FLOAT64 = "divide_in_float64"
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+def method(power_of_two: bool, in_xla: bool) -> Method:
     """How to divide exactly: ``"factors"``, ``"divide"`` or ``"divide_in_float64"``.
 
     Args:
@@ -61,8 +72,8 @@ def method(power_of_two: bool, in_xla: bool) -> str:
         in_xla: the division is traced inside an XLA cluster.
     """
     if not power_of_two:
-        return "divide_in_float64"
-    return "factors" if in_xla else "divide"
+        return Method.DIVIDE_IN_FLOAT64
+    return Method.FACTORS if in_xla else Method.DIVIDE
 
 
 def reciprocal_factors(divisor):
@@ -205,14 +216,14 @@ def divide(grad, divisor, how: str):
         return tf.IndexedSlices(divide(grad.values, divisor, how), grad.indices, grad.dense_shape)
     grad = tf.convert_to_tensor(grad)
     narrow = grad.dtype in NARROW_FLOATS
-    if how == "factors":
+    if how == Method.FACTORS:
         wide = tf.cast(grad, tf.float32) if narrow else grad
         first, second = reciprocal_factors(divisor)
         result = wide * tf.cast(first, wide.dtype) * tf.cast(second, wide.dtype)
-    elif how == "divide":
+    elif how == Method.DIVIDE:
         wide = tf.cast(grad, tf.float32) if narrow else grad
         result = wide / tf.cast(divisor, wide.dtype)
-    elif how == "divide_in_float64":
+    elif how == Method.DIVIDE_IN_FLOAT64:
         if not narrow:
             return grad / tf.cast(divisor, grad.dtype)
         quotient = tf.cast(grad, tf.float64) / tf.cast(divisor, tf.float64)

@@ -83,7 +83,7 @@ class StepPlan:
     """
 
     divide: tuple[bool, ...]
-    division: str
+    division: _division.Method
     check: Check
     skip: Skip
     compile: bool
