@@ -89,9 +89,10 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
         step_plan: the `tfdls.StepPlan` of the last traced (or eager) `apply`:
             how it divides, checks, skips and compiles, and why a fast path
             was not taken; None before the first `apply`.
-        dynamic, initial_scale, dynamic_growth_steps, dynamic_scale,
-            step_counter: Keras 3 / tf_keras names for the scale's settings
-            and state (see their docstrings).
+
+    The properties `dynamic`, `initial_scale`, `dynamic_growth_steps`,
+    `dynamic_scale` and `step_counter` are the Keras 3 / tf_keras names for
+    the scale's settings and state (see their docstrings).
 
     How a step runs is decided once per trace and kept in `step_plan` (a
     `StepPlan`): inside a `tf.function` a step with one of Keras' own inner

@@ -1,2 +1,2 @@
 """The public API as a whole: every invalid argument or input and its error
-(README's "Bad input" table)."""
+(the "Bad input" table, docs/bad-input.md)."""

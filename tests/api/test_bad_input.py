@@ -1,5 +1,5 @@
 """Every invalid argument or input gets a clear error; one test per row of
-README's "Bad input" table (and the table lists exactly these rows)."""
+the "Bad input" table in docs/bad-input.md (and the table lists exactly these rows)."""
 
 import re
 from pathlib import Path
@@ -91,7 +91,7 @@ DLS = tfdls.DynamicLossScale
 LSO = tfdls.LossScaleOptimizer
 SGD = keras.optimizers.SGD
 
-# README row (first cell, verbatim) -> [(call, exception type, message pattern), ...]
+# Table row of docs/bad-input.md (first cell, verbatim) -> [(call, exception type, message pattern), ...]
 CASES = {
     "`DynamicLossScale(initial_loss_scale=0)` / `-1`": [
         (lambda: DLS(initial_loss_scale=0), ValueError, r"initial_loss_scale=0"),
@@ -439,9 +439,9 @@ def test_bad_input_raises_clear_error(row):
             call()
 
 
-def _readme_rows():
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split("### Bad input", 1)[1].split("\n## ", 1)[0]
+def _documented_rows():
+    page = (Path(__file__).parents[2] / "docs" / "bad-input.md").read_text()
+    section = page.split("# Bad input", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -450,5 +450,5 @@ def _readme_rows():
     return rows[1:]  # drop the header
 
 
-def test_readme_table_lists_exactly_these_rows():
-    assert sorted(_readme_rows()) == sorted(CASES)
+def test_docs_table_lists_exactly_these_rows():
+    assert sorted(_documented_rows()) == sorted(CASES)

@@ -569,7 +569,7 @@ def test_get_config_from_config_round_trip():
 
 
 # Invalid arguments: one place for all of them, tests/api/test_bad_input.py (the
-# README table).
+# table in docs/bad-input.md).
 
 
 # --------------------------------------------------------------------------
@@ -660,13 +660,13 @@ def test_saved_model_keeps_updating(tmp_path):
     assert int(loaded.ls.num_skipped_steps_variable.numpy()) == 2
 
 
-def _readme_state_names():
-    """(Python reader, variable name) per row of README's state table."""
+def _documented_state_names():
+    """(Python reader, variable name) per row of the state table in docs/loss-scales.md."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split("| state | read in Python |", 1)[1].split("\n\n", 1)[0]
+    page = (Path(__file__).parents[2] / "docs" / "loss-scales.md").read_text()
+    section = page.split("| state | read in Python |", 1)[1].split("\n\n", 1)[0]
     rows = []
     for line in section.splitlines()[2:]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -675,8 +675,8 @@ def _readme_state_names():
     return rows
 
 
-def test_readme_names_each_piece_of_state_as_saved(tmp_path):
-    rows = _readme_state_names()
+def test_docs_name_each_piece_of_state_as_saved(tmp_path):
+    rows = _documented_state_names()
     holder = _Holder()
     holder.step(tf.ones([3]))
     ls = holder.ls
