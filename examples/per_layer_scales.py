@@ -144,6 +144,15 @@ def smooth(values, width=20):
     return np.convolve(values, np.ones(width) / width, mode="valid")
 
 
+# One colour per run in both panels; float32 dashed and drawn on top, so that the
+# per-layer curve, which follows it closely, does not hide it.
+STYLE = {
+    "float32": {"color": "tab:green", "linestyle": "--", "zorder": 3},
+    "global": {"color": "tab:blue"},
+    "per-layer": {"color": "tab:orange"},
+}
+
+
 def plot(results, path):
     try:
         import matplotlib
@@ -157,13 +166,13 @@ def plot(results, path):
     for run in ("global", "per-layer"):
         recorder = results[run][1]
         fractions = [np.mean(recorder.small[name]) for name in recorder.kernels]
-        left.plot(range(len(fractions)), fractions, marker="o", label=run)
+        left.plot(range(len(fractions)), fractions, marker="o", label=run, **STYLE[run])
     left.set_xlabel("layer (0 = first)")
     left.set_ylabel("zero + subnormal fraction of the scaled gradient")
     left.set_title("Gradient elements float16 loses, mean over training")
     left.legend()
     for run in RUNS:
-        right.plot(smooth(results[run][1].losses), label=run)
+        right.plot(smooth(results[run][1].losses), label=run, **STYLE[run])
     right.set_xlabel("batch")
     right.set_ylabel("training loss (moving average of 20)")
     right.set_title("Loss curves")

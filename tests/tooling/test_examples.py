@@ -234,3 +234,34 @@ def test_quickstart_without_matplotlib_skips_the_plot(tmp_path):
     assert "saved plot" not in out
     assert not png.exists()
     assert _float(r"^test accuracy: ([0-9.]+)$", out) > 0.3
+
+
+def test_per_layer_plot_keeps_each_runs_colour_and_shows_float32(tmp_path):
+    """docs/per_layer_scales.png: a run has one colour in both panels, and the float32 loss
+    curve is drawn above the per-layer one that follows it closely."""
+    import importlib.util
+    import types
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spec = importlib.util.spec_from_file_location("per_layer_scales",
+                                                  EXAMPLES / "per_layer_scales.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    kernels = ["dense/kernel", "dense_1/kernel"]
+    recorder = types.SimpleNamespace(kernels=kernels, losses=[1.0] * 40,
+                                     small={k: [0.1] for k in kernels})
+    example.plot({run: (0.9, recorder, {}) for run in example.RUNS}, tmp_path / "p.png")
+    left, right = plt.gcf().axes
+    colours = {}
+    for axis in (left, right):
+        for line in axis.get_lines():
+            colours.setdefault(line.get_label(), set()).add(line.get_color())
+    assert all(len(c) == 1 for c in colours.values()), colours
+    assert len({next(iter(c)) for c in colours.values()}) == len(example.RUNS)
+    by_label = {line.get_label(): line for line in right.get_lines()}
+    assert by_label["float32"].get_zorder() > by_label["per-layer"].get_zorder()
+    plt.close("all")
