@@ -289,6 +289,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
                 ) from None
         return positions
 
+    @_NOT_CONVERTED
     def get_scaled_loss(self, loss: Any) -> Any:
         """tf_keras style `scale_loss`; also accepts a zero-argument callable."""
         if callable(loss):
