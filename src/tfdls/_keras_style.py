@@ -124,12 +124,16 @@ def _build_loss_scale(loss_scale, keras_style):
     return loss_scale_lib.FixedLossScale(initial_scale)
 
 
-def loss_scale_from_arguments(loss_scale, kwargs):
+def loss_scale_from_arguments(inner_optimizer, loss_scale, kwargs):
     """The `LossScale` of a constructor call, tfdls style (`loss_scale`) or Keras style
-    (``initial_scale``, ``dynamic_growth_steps``, ``dynamic`` in `kwargs`, popped); raises
-    for the base-optimizer keywords Keras' class refuses, left in `kwargs`."""
+    (``initial_scale``, ``dynamic_growth_steps``, ``dynamic`` in `kwargs`, popped).
+
+    Checks in this order: Keras' base-optimizer keywords left in `kwargs`,
+    `inner_optimizer`, then the scale's arguments.
+    """
     keras_style = {k: kwargs.pop(k) for k in KERAS_STYLE_KEYWORDS if k in kwargs}
     check_base_optimizer_keywords(kwargs)
+    check_inner_optimizer(inner_optimizer)
     return _build_loss_scale(loss_scale, keras_style)
 
 
@@ -162,7 +166,8 @@ def load_keras_layout(optimizer, store) -> bool:
     inner = optimizer.inner_optimizer
     keras_layout = own + 2 + len(inner.variables)
     ls = optimizer.loss_scale
-    if not (ls.dynamic and len(store.keys()) == keras_layout != len(optimizer.variables)):
+    dynamic = isinstance(ls, loss_scale_lib.DynamicLossScale)
+    if not (dynamic and len(store.keys()) == keras_layout != len(optimizer.variables)):
         return False
     values = [np.asarray(store[str(i)]) for i in range(keras_layout)]
     for variable, value in zip(optimizer._variables, values[:own]):
@@ -196,7 +201,7 @@ class KerasNames:
     @property
     def dynamic(self) -> bool:
         """True for a `DynamicLossScale` (Keras 3's and tf_keras' ``dynamic``)."""
-        return self.loss_scale.dynamic
+        return isinstance(self.loss_scale, loss_scale_lib.DynamicLossScale)
 
     @property
     def initial_scale(self) -> float | None:

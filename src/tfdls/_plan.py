@@ -18,6 +18,7 @@ import enum
 import tensorflow as tf
 
 from tfdls import _compat, _distribute, _division, _masked_update
+from tfdls.loss_scale import DynamicLossScale
 
 
 class Skip(str, enum.Enum):
@@ -156,7 +157,7 @@ def plan_step(
     elif _compat.op_determinism_enabled():
         compile_apply = False
         reasons.append("jit_compile='auto' does not compile with op determinism enabled")
-    elif not loss_scale.dynamic:
+    elif not isinstance(loss_scale, DynamicLossScale):
         compile_apply = False
         reasons.append("jit_compile='auto' compiles only for a DynamicLossScale")
     else:

@@ -185,7 +185,7 @@ def _warn_fallback(opt, reason):
         f"shown to skip exactly without a branch ({reason}); this step skips with a "
         "tf.cond instead, which waits for the device on every step.",
         RuntimeWarning,
-        stacklevel=5,  # the caller of apply()
+        stacklevel=5,  # past tfdls' own frames (apply, run, _apply_or_skip)
     )
 
 

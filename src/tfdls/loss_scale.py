@@ -145,11 +145,6 @@ class LossScale(tf.Module, metaclass=abc.ABCMeta):
     # -- what `LossScaleOptimizer` asks of a scale, answered when a step is traced --
 
     @property
-    def dynamic(self) -> bool:
-        """Whether this is a `DynamicLossScale` (Keras 3's and tf_keras' ``dynamic``)."""
-        return False
-
-    @property
     def min_value(self) -> float | None:
         """The smallest value this scale takes; None where unknown (a custom scale)."""
         return None
@@ -175,8 +170,9 @@ class LossScale(tf.Module, metaclass=abc.ABCMeta):
 
     @property
     def skipped_steps(self) -> tf.Tensor | None:
-        """Steps skipped so far (int64 tensor); None where the scale does not count them."""
-        return None
+        """Steps skipped so far (int64 tensor); None where the scale does not count them.
+        A custom scale may count them under `DynamicLossScale`'s name, `num_skipped_steps`."""
+        return getattr(self, "num_skipped_steps", None)
 
 
 class FixedLossScale(LossScale):
@@ -398,7 +394,6 @@ class DynamicLossScale(LossScale):
         return self._powers_of_two
 
     min_value = property(lambda self: self._min_loss_scale)
-    dynamic = property(lambda self: True)
 
     @property
     def always_power_of_two(self) -> bool:

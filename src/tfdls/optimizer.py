@@ -135,8 +135,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
         scale_boundaries: keras.Model | None = None,
         **kwargs: Any,
     ):
-        resolved = _keras_style.loss_scale_from_arguments(loss_scale, kwargs)
-        _keras_style.check_inner_optimizer(inner_optimizer)
+        resolved = _keras_style.loss_scale_from_arguments(inner_optimizer, loss_scale, kwargs)
         if not isinstance(overflow_attribution, bool):
             raise TypeError(
                 "`overflow_attribution` must be True or False; "
@@ -190,7 +189,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
         scale that is not a `DynamicLossScale` of powers of two.
         """
         ls = self.loss_scale
-        if not (ls.dynamic and ls.always_power_of_two):
+        if not (self.dynamic and ls.always_power_of_two):
             raise ValueError(
                 "scale_boundaries needs a tfdls.DynamicLossScale whose values are powers "
                 f"of two (every factor is one, and overflows must be able to skip a step); "
@@ -199,10 +198,15 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
         boundary_map = boundaries_lib.read_boundaries(model)
         boundaries_lib.take_ownership(boundary_map)
         boundaries_lib.guard_layers_below(model, boundary_map)
-        self._boundary_scales = BoundaryScales(boundary_map)
-        self._boundaries_expected = True
+        scales = BoundaryScales(boundary_map)
         if self.built:
-            self._boundary_scales.build(self._trainable_variables)
+            scales.build(self._trainable_variables)  # raises before anything is kept
+            self._boundary_scales = scales
+        else:
+            # Held untracked until build(): a checkpoint of an unbuilt optimizer has
+            # the same objects with or without boundaries (as before the plug-in).
+            object.__setattr__(self, "_boundary_scales", scales)
+        self._boundaries_expected = True
 
     def scale_boundary_factors(self) -> dict[str, float]:
         """``{boundary name: factor}`` now (a host read); empty without scale boundaries."""
@@ -216,6 +220,12 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
 
     def build(self, var_list):
         _bfloat16.warn_if_bfloat16(var_list)
+        if self._boundary_scales is not None:
+            # First: a variable outside the model raises before any state is made.
+            scales = self._boundary_scales
+            with tf.name_scope(self.name):
+                scales.build(var_list)
+            self._boundary_scales = scales  # tracked from here (see set_scale_boundaries)
         # Outside Keras' no-tracking scope: variables the inner optimizer
         # creates without add_variable (Nadam's `_u_product`, Adafactor's
         # placeholders) are tracked, so `variables`, `.keras` files and
@@ -237,8 +247,6 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
             self._overflow = overflow.OverflowRecord(
                 names, self.overflow_attribution, self._min_scale_policy, self._stats
             )
-            if self._boundary_scales is not None:
-                self._boundary_scales.build(var_list)
 
     # -- scaling ----------------------------------------------------------------
 
@@ -511,7 +519,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
         logging frequency, `fit` at the end of training; in a custom loop,
         call it as often as you want to hear of a stuck scale.
         """
-        if self._overflow is not None and self.loss_scale.dynamic:
+        if self._overflow is not None and self.dynamic:
             self._overflow.check_policy(self.loss_scale.min_loss_scale)
 
     # -- saving -------------------------------------------------------------------

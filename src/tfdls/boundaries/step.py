@@ -86,13 +86,10 @@ class BoundaryScales(tf.Module):
         self.built = False
 
     def build(self, variables):
-        """Places the optimizer's variables (in its order) below their boundaries."""
-        self.lowered = _distribute.state_variable(
-            "lowered_on_last_overflow", np.zeros([len(self.boundaries)], np.bool_), tf.bool
-        )
-        # Segments: 0 above every boundary, 1 + k directly below boundary k.
-        self.positions_of_segment = [[] for _ in range(len(self.boundaries) + 1)]
-        self.segment_of = []
+        """Places the optimizer's variables (in its order) below their boundaries; raises
+        (naming the variable) before keeping anything for a variable outside the model."""
+        positions_of_segment = [[] for _ in range(len(self.boundaries) + 1)]
+        segment_of = []
         for position, variable in enumerate(variables):
             chain = self.map.chain_of(variable)
             if chain is None:
@@ -106,8 +103,14 @@ class BoundaryScales(tf.Module):
                 f"the variable {getattr(variable, 'path', variable.name)!r}", variable.dtype,
                 chain)
             segment = 0 if not chain else 1 + chain[0]
-            self.segment_of.append(segment)
-            self.positions_of_segment[segment].append(position)
+            segment_of.append(segment)
+            positions_of_segment[segment].append(position)
+        self.lowered = _distribute.state_variable(
+            "lowered_on_last_overflow", np.zeros([len(self.boundaries)], np.bool_), tf.bool
+        )
+        # Segments: 0 above every boundary, 1 + k directly below boundary k.
+        self.positions_of_segment = positions_of_segment
+        self.segment_of = segment_of
         self.built = True
 
     @functools.cached_property
