@@ -16,6 +16,7 @@ Without boundaries nothing of it runs or is traced.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any
 
@@ -37,7 +38,7 @@ class Division:
     already_unscaled: Any
     how: str
 
-    @property
+    @functools.cached_property  # one op per step, not one per gradient divided
     def divisor(self):
         return tf.where(self.already_unscaled, tf.ones_like(self.scale), self.scale)
 
