@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import keras
@@ -293,8 +292,7 @@ def _identity_unscaling_gradient(x, layer):
             upstream = _dense(upstream)
             above = registry.boundaries_above_input.get(layer)
             if above is None and not tf.executing_eagerly():
-                graphs = registry.traced_unread.setdefault(layer, weakref.WeakSet())
-                graphs.add(tf.compat.v1.get_default_graph())
+                registry.traced_unread.add(layer)
             if not above:
                 return upstream
             check_float64_chain(f"the gradient reaching the UnscaledInput {layer.name!r}",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 
 import keras
 import tensorflow as tf
@@ -141,7 +140,7 @@ def read_boundaries(model) -> BoundaryMap:
     for layer, chain in layer_chains.items():
         if isinstance(layer, UnscaledInput):
             previous = registry.boundaries_above_input.get(layer)
-            if previous is None and chain and _live_traces(layer):
+            if previous is None and chain and layer in registry.traced_unread:
                 raise ValueError(
                     f"tfdls: the gradient through the UnscaledInput {layer.name!r} was traced "
                     "in a tf.function before its model was given to an optimizer (or to "
@@ -163,13 +162,6 @@ def read_boundaries(model) -> BoundaryMap:
         if isinstance(layer, UnscaledInput):
             registry.boundaries_above_input[layer] = tuple(chain)
     return boundary_map
-
-
-def _live_traces(layer):
-    if layer not in registry.traced_unread:
-        return False
-    gc.collect()  # a failed trace's graph is garbage, not a trace to refuse
-    return len(registry.traced_unread.get(layer, ())) > 0
 
 
 def _check_inputs_unscaled(input_uses):

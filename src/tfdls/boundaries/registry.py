@@ -9,8 +9,8 @@ released leaves it) and read only at trace time or between steps:
 * `owned_above`: per variable, the owned boundaries above it (set by
   `take_ownership`), for the same refusal by variable, eagerly too;
 * `boundaries_above_input`: per `UnscaledInput`, the boundaries above it once
-  its model is read, and `traced_unread`, the graphs that traced its backward
-  pass before (such a trace divides by nothing);
+  its model is read, and `traced_unread`, those whose backward pass a
+  `tf.function` traced before (such a trace divides by nothing);
 * `guarded_layers`, `wrapped_models`, `models_in_call`: the rule that a
   gradient reaches a layer below an owned boundary only through a call of its
   model (`tfdls.boundaries.guard`).
@@ -232,10 +232,11 @@ def owned_boundaries_above(variable) -> list:
 # {UnscaledInput: the boundaries above it}, set when its model is read. Out of
 # the layer, where Keras would track the boundaries as its sublayers.
 boundaries_above_input = weakref.WeakKeyDictionary()
-# {UnscaledInput: the graphs that traced its backward pass before its model
-# was read}: such a trace divides by nothing, and its boundaries may be owned
-# later. Weak both ways: a trace whose graph was released does not count.
-traced_unread = weakref.WeakKeyDictionary()
+# The UnscaledInputs whose backward pass a tf.function traced before their
+# model was read: such a trace divides by nothing, and its boundaries may be
+# owned later. Any such trace counts, released or not: whether a graph is
+# still alive is up to the garbage collector, and the refusal must not be.
+traced_unread = weakref.WeakSet()
 
 # {layer below a boundary: (its owned model, the boundary above it)}, and the
 # owned models whose call is wrapped; weak.
