@@ -10,6 +10,9 @@ so that a too-old installation gets a message naming the versions needed
 rather than an `AttributeError` from deep inside.
 """
 
+import enum
+import sys
+
 MIN_TENSORFLOW = (2, 16)
 # 3.9: the first Keras whose LossScaleOptimizer passes `iterations` through to
 # the inner optimizer and whose optimizers keep their step counter in
@@ -23,6 +26,15 @@ _INSTALL_HINT = (
     "accepts older Keras releases: tfdls requires keras>={0}.{1} "
     '(pip install "keras>={0}.{1}").'.format(*MIN_KERAS)
 )
+
+
+if sys.version_info >= (3, 11):
+    StrEnum = enum.StrEnum
+else:  # Python 3.10: the same behaviour (equal to, printed and formatted as, its value)
+
+    class StrEnum(str, enum.Enum):
+        __str__ = str.__str__
+        __format__ = str.__format__
 
 
 def _version_tuple(version):

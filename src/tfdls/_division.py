@@ -31,7 +31,6 @@ Example:
 
 from __future__ import annotations
 
-import enum
 import math
 
 import tensorflow as tf
@@ -54,14 +53,12 @@ def is_power_of_two(value: float) -> bool:
     return mantissa == 0.5
 
 
-class Method(str, enum.Enum):
+class Method(_compat.StrEnum):
     """How `divide` divides (see the module docstring); equal to, and printed as, its string."""
 
     FACTORS = "factors"
     DIVIDE = "divide"
     DIVIDE_IN_FLOAT64 = "divide_in_float64"
-    __str__ = str.__str__
-    __format__ = str.__format__
 
 
 def method(power_of_two: bool, in_xla: bool) -> Method:

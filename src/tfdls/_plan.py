@@ -13,7 +13,6 @@ step runs (see `tfdls._unscaling`); the plan says how they are divided.
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 import tensorflow as tf
 
@@ -21,24 +20,19 @@ from tfdls import _compat, _distribute, _division, _masked_update
 from tfdls.loss_scale import DynamicLossScale
 
 
-class Skip(str, enum.Enum):
+class Skip(_compat.StrEnum):
     """How a step with non-finite gradients applies nothing (see `StepPlan.skip`)."""
 
     NONE = "none"
     MASKED = "masked"
     COND = "cond"
-    # Read and printed as the plain string ("masked"), which it also equals.
-    __str__ = str.__str__
-    __format__ = str.__format__
 
 
-class Check(str, enum.Enum):
+class Check(_compat.StrEnum):
     """What the finiteness check reads (see `StepPlan.check`)."""
 
     SCALED = "scaled"
     UNSCALED = "unscaled"
-    __str__ = str.__str__
-    __format__ = str.__format__
 
 
 @dataclasses.dataclass(frozen=True)
