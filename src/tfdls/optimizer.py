@@ -225,7 +225,11 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
             scales = self._boundary_scales
             with tf.name_scope(self.name):
                 scales.build(var_list)
-            self._boundary_scales = scales  # tracked from here (see set_scale_boundaries)
+            # Tracked from here (see set_scale_boundaries). Deleted first: assigning the
+            # object already held is a no-op for TensorFlow's tracking, which would
+            # leave it out of checkpoints.
+            object.__delattr__(self, "_boundary_scales")
+            self._boundary_scales = scales
         # Outside Keras' no-tracking scope: variables the inner optimizer
         # creates without add_variable (Nadam's `_u_product`, Adafactor's
         # placeholders) are tracked, so `variables`, `.keras` files and

@@ -880,6 +880,28 @@ def test_checkpoint_restores_the_factors(tmp_path):
     assert set(optimizer.scale_boundary_factors().values()) == {16.0}
 
 
+@pytest.mark.parametrize("given", ["before_build", "after_build"])
+def test_checkpoint_carries_the_boundaries_lowered_on_the_last_overflow(tmp_path, given):
+    """The plug-in's own state (which boundaries the last overflow lowered, read by
+    last_overflow()) is saved and restored, however the model was given."""
+    model = tfdls.add_scale_boundaries(dense_stack(3), every=1)
+    optimizer = tfdls.LossScaleOptimizer(keras.optimizers.SGD())
+    if given == "before_build":
+        optimizer.set_scale_boundaries(model)
+        optimizer.build(model.trainable_variables)
+    else:
+        optimizer.build(model.trainable_variables)
+        optimizer.set_scale_boundaries(model)
+    lowered = optimizer._boundary_scales.lowered
+    lowered.assign([True, False])
+    path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(str(tmp_path / "ckpt"))
+    keys = [name for name, _ in tf.train.list_variables(path)]
+    assert any("_boundary_scales/lowered" in k for k in keys), keys
+    lowered.assign([False, False])
+    tf.train.Checkpoint(model=model, optimizer=optimizer).restore(path).assert_consumed()
+    assert lowered.numpy().tolist() == [True, False]
+
+
 def test_get_unscaled_gradients_needs_the_variables_and_divides_per_variable():
     model = tfdls.add_scale_boundaries(dense_stack(3, integer=True), every=1, **pinned(3))
     optimizer = tfdls.LossScaleOptimizer(keras.optimizers.SGD(), tfdls.DynamicLossScale(2.0**4),
