@@ -20,7 +20,9 @@ gradient's dtype, the value a float64 reference gives. Two ways get there:
   does not fuse a division into several consumers (Adam's two moments), so a
   division would cost the update another pass over the gradients.
 
-`method` picks one of the three for a loss scale and the current trace.
+`method` picks one of the three for a loss scale and the current trace;
+`Division` is one step's division: the divisor (the recorded scale, or 1
+where `get_unscaled_gradients` already divided) and that method.
 
 Example:
 
@@ -31,7 +33,10 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from typing import Any
 
 import tensorflow as tf
 
@@ -273,3 +278,29 @@ def multiply(grad, factor):
     if grad.dtype in NARROW_FLOATS:
         return tf.cast(tf.cast(grad, tf.float32) * factor, grad.dtype)
     return grad * tf.cast(factor, grad.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Division:
+    """How this step divides a gradient: by `divisor`, the recorded scale (1 where
+    `get_unscaled_gradients` already divided this step's gradients), the way `how`
+    says (`divide`)."""
+
+    scale: Any
+    already_unscaled: Any
+    how: str
+
+    @functools.cached_property  # one op per step, not one per gradient divided
+    def divisor(self):
+        return tf.where(self.already_unscaled, tf.ones_like(self.scale), self.scale)
+
+    def by_scale(self, grad):
+        return divide(grad, self.divisor, self.how)
+
+    def as_value(self, grad):
+        """The "gradient" of an `overwrite_with_gradient` variable, a value never divided:
+        multiplied back where get_unscaled_gradients divided it (exact for a power of two)."""
+        if grad is None:
+            return None
+        grad = tf.convert_to_tensor(grad)
+        return tf.where(self.already_unscaled, multiply(grad, self.scale), grad)

@@ -16,9 +16,7 @@ Without boundaries nothing of it runs or is traced.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
-from typing import Any
 
 import tensorflow as tf
 
@@ -26,32 +24,6 @@ from tfdls import _compat, _distribute, _division, _masked_update, finite
 from tfdls import gradient_stats as stats_lib
 from tfdls._decision import ALWAYS_APPLIES, Decision
 from tfdls._plan import Skip
-
-
-@dataclasses.dataclass(frozen=True)
-class Division:
-    """How this step divides a gradient: by `divisor`, the recorded scale (1 where
-    `get_unscaled_gradients` already divided this step's gradients), the way `how`
-    says (`tfdls._division.divide`)."""
-
-    scale: Any
-    already_unscaled: Any
-    how: str
-
-    @functools.cached_property  # one op per step, not one per gradient divided
-    def divisor(self):
-        return tf.where(self.already_unscaled, tf.ones_like(self.scale), self.scale)
-
-    def by_scale(self, grad):
-        return _division.divide(grad, self.divisor, self.how)
-
-    def as_value(self, grad):
-        """The "gradient" of an `overwrite_with_gradient` variable, a value never divided:
-        multiplied back where get_unscaled_gradients divided it (exact for a power of two)."""
-        if grad is None:
-            return None
-        grad = tf.convert_to_tensor(grad)
-        return tf.where(self.already_unscaled, _division.multiply(grad, self.scale), grad)
 
 
 def run(opt, plan, grads, variables):
@@ -65,7 +37,7 @@ def run(opt, plan, grads, variables):
         opt._record.mark_applied(positions)
     # The unscaling rule, at run time: divide by 1 if get_unscaled_gradients
     # already divided this step's gradients.
-    division = Division(scale, opt._unscaling.consume(), plan.division)
+    division = _division.Division(scale, opt._unscaling.consume(), plan.division)
     boundary = None
     if opt._boundary_scales is not None:
         boundary = opt._boundary_scales.begin_step(division, positions, opt.iterations)
