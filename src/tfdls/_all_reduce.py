@@ -105,8 +105,8 @@ def _cast(grad, dtype):
 def sum_scaled(grads):
     """Sums the scaled gradients `grads` over the replicas, in float16 on the wire.
 
-    One `all_reduce` call for all of them (tf.distribute packs them into one
-    collective per dtype; `tf.IndexedSlices` are gathered, as Keras' own
+    One `all_reduce` call per dtype on the wire (tf.distribute packs each
+    call into one collective; `tf.IndexedSlices` are gathered, as Keras' own
     all-reduce does). Each sum comes back in its gradient's dtype, so that the
     division by the scale that follows is exact. Must be called in replica
     context.
@@ -114,7 +114,17 @@ def sum_scaled(grads):
     grads = [g if isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g) for g in grads]
     dtypes = [g.dtype for g in grads]
     wire = [_cast(g, wire_dtype(d)) for g, d in zip(grads, dtypes)]
-    summed = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, wire)
+    # tf.distribute packs one call's tensors into one buffer, which needs one dtype:
+    # one call per wire dtype (one in all for mixed_float16 and float16 models).
+    by_dtype = {}
+    for k, w in enumerate(wire):
+        by_dtype.setdefault(w.dtype, []).append(k)
+    summed = [None] * len(wire)
+    context = tf.distribute.get_replica_context()
+    for positions in by_dtype.values():
+        sums = context.all_reduce(tf.distribute.ReduceOp.SUM, [wire[k] for k in positions])
+        for k, s in zip(positions, sums):
+            summed[k] = s
     return [_cast(s, d) for s, d in zip(summed, dtypes)]
 
 
