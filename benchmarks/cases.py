@@ -49,6 +49,8 @@ VARIANTS = {
                             (("overflow_attribution", False),)),
     "tfdls_stats": Variant("tfdls, gradient stats", "tfdls", (("gradient_stats", True),)),
     "check_only": Variant("check alone", "check"),
+    "tfdls_f16": Variant("tfdls, float16 all-reduce", "tfdls",
+                         (("all_reduce_dtype", "float16"),)),
     "global": Variant("global scale", "tfdls"),
     "boundaries_every2": Variant("boundaries every 2", "tfdls", every=2),
     "boundaries_every1": Variant("boundaries every 1", "tfdls", every=1),
@@ -60,10 +62,11 @@ OVERHEAD = ("bare", "keras3", "tf_keras_bare", "tf_keras", "bare_xla_apply", "tf
             "tfdls_nojit", "tfdls_noattr", "tfdls_stats", "check_only")
 LOSS_SCALING = ("bare", "keras3", "tfdls")
 BOUNDARIES = ("global", "boundaries_every2", "boundaries_every1")
-FAMILIES = ("overhead", "boundaries", "fit")
+ALL_REDUCE = ("keras3", "tfdls", "tfdls_f16")
+FAMILIES = ("overhead", "boundaries", "fit", "allreduce")
 # What --variants may add to a family's cases beyond those they declare.
 OPTIONAL = {"overhead": (), "boundaries": ("pinned_every2", "pinned_every1", "bare"),
-            "fit": ("tfdls_nojit", "tfdls_noattr", "tfdls_stats")}
+            "fit": ("tfdls_nojit", "tfdls_noattr", "tfdls_stats"), "allreduce": ()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +75,9 @@ class Case:
 
     Attributes:
         family: "overhead" (`optimizer.apply` alone, overhead.py), "boundaries"
-            (a whole training step, steps.py) or "fit" (`model.fit`, fit.py).
+            (a whole training step, steps.py), "fit" (`model.fit`, fit.py) or
+            "allreduce" (a training step under a `workers`-process
+            MultiWorkerMirroredStrategy on localhost, allreduce.py).
         name: unique; what `--cases` matches.
         params: the family's parameters (the builder's keyword arguments).
         variants: variant names, the baseline first.
@@ -134,6 +139,16 @@ def fit(model, inner, mode, calls, variants=LOSS_SCALING, quick=None, gpu_only=F
     return _case("fit", name, fit, args, variants)
 
 
+def allreduce(depth, width, features, classes, batch, calls, workers=2, quick=None, **_):
+    """A training step of `mlp` (the GPU check's shape: 58.7M parameters) under a
+    `workers`-process MultiWorkerMirroredStrategy; `batch` per worker."""
+    args = dict(model="mlp", depth=depth, width=width, features=features, classes=classes,
+                batch=batch, calls=calls, workers=workers, mode="graph", quick=quick)
+    # (the model and mode are fixed: `**_` takes them back when the quick case is made)
+    return _case("allreduce", f"mlp{depth}x{width}-{workers}workers-b{batch}", allreduce, args,
+                 ALL_REDUCE)
+
+
 TRANSFORMER = dict(vocab=20_000, seq_len=128, dim=64, heads=4, ffn=128, blocks=2, batch=64)
 TINY_TRANSFORMER = dict(vocab=200, seq_len=16, dim=16, ffn=32, batch=32, calls=4)
 
@@ -174,6 +189,9 @@ CASES = (
     # The GPU check's MLP: 1024 inputs, four 4096-unit layers, 1000 classes, batch 512.
     fit("mlp", "adam", "xla", calls=200, depth=4, width=4096, features=1024, classes=1000,
         batch=512, gpu_only=True),
+    # allreduce: the same MLP's step, two worker processes over gRPC on 127.0.0.1.
+    allreduce(4, 4096, 1024, 1000, batch=8, calls=3,
+              quick=dict(depth=2, width=256, features=64, classes=10, calls=5)),
 )
 
 

@@ -11,7 +11,9 @@ import json
 import sys
 
 UNITS = {"overhead": "ms/step of `apply`", "boundaries": "ms/training step",
-         "fit": "ms/step of `fit`, then the first step (trace, compile, one step) in s"}
+         "fit": "ms/step of `fit`, then the first step (trace, compile, one step) in s",
+         "allreduce": "ms/training step of worker 0 (MultiWorkerMirroredStrategy, gRPC on "
+                      "127.0.0.1), then MB all-reduced per step and worker"}
 
 
 def load(path):
@@ -41,6 +43,10 @@ EXTRAS = {
         ("floor fused", lambda r: f"{r['floor']['floor_fused']:.2f}x"),
         ("floor unfused", lambda r: f"{r['floor']['floor_unfused']:.2f}x"),
     ],
+    "allreduce": [("float16/float32 bytes",
+                   lambda r: _fmt(_ratio_of(r, "all_reduce_bytes", "tfdls_f16", "tfdls"), ".3f")),
+                  ("float16 step / Keras 3 step",
+                   lambda r: _fmt(_ratio_of(r, "ms", "tfdls_f16", "keras3"), ".2f"))],
     "fit": [("first step tfdls/Keras 3",
              lambda r: _fmt(_ratio_of(r, "first_s", "tfdls", "keras3"), ".2f"))],
 }
@@ -57,6 +63,8 @@ def cell(family, v, baseline):
         text += f", {len(v['factors'])} b"
     if family == "fit":
         text += f"; {v['first_s']:.1f} s"
+    if "all_reduce_bytes" in v:
+        text += f"; {v['all_reduce_bytes'] / 1e6:.2f} MB"
     return text
 
 

@@ -22,7 +22,7 @@ import render
 # TensorFlow and what needs it are imported once the family is known (see `main`).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-ROUNDS = {"overhead": 15, "boundaries": 15, "fit": 5}
+ROUNDS = {"overhead": 15, "boundaries": 15, "fit": 5, "allreduce": 5}
 QUICK_ROUNDS = 3
 
 
@@ -69,6 +69,7 @@ def run_family(family, chosen, variants=None, rounds=None, warmup=1, device="/CP
         "results": [{"case", "params", "calls", "variants": {name: `timing.measure`'s},
         "floor" (overhead)}]}.
     """
+    import allreduce
     import environment
     import fit
     import overhead
@@ -85,18 +86,21 @@ def run_family(family, chosen, variants=None, rounds=None, warmup=1, device="/CP
         if log:
             log(f"{family}: running {case.name} ...")
         names = cases.variants_of(case, variants)
-        with policy(report["settings"]["policy"]), placement(family, device):
-            if family == "overhead":
-                built = overhead.runs(case, names, dtype)
-            else:
-                built = (steps if family == "boundaries" else fit).runs(case, names)
-            stats = timing.measure(built, rounds, case.calls, warmup)
+        if family == "allreduce":  # timed in worker processes, by the same loop
+            stats = allreduce.measure_in_cluster(case, names, rounds, warmup, device, log=log)
+        else:
+            with policy(report["settings"]["policy"]), placement(family, device):
+                if family == "overhead":
+                    built = overhead.runs(case, names, dtype)
+                else:
+                    built = (steps if family == "boundaries" else fit).runs(case, names)
+                stats = timing.measure(built, rounds, case.calls, warmup)
+            del built
         result = {"case": case.name, "params": case.params, "calls": case.calls,
                   "variants": stats}
         if family == "overhead":
             result["floor"] = overhead.floor(case, dtype)
         report["results"].append(result)
-        del built
         gc.collect()  # the next case's variables should not share memory with these
     return report
 

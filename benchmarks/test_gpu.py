@@ -5,7 +5,9 @@
 
 Step overhead (the overhead family, float16 gradients), `fit` speed (the fit
 family, the Transformer and the GPU-only MLP included), device-to-host copies
-per step from a profiler trace, and `fit` under MirroredStrategy with XLA. The
+per step from a profiler trace, `fit` under MirroredStrategy with XLA, and the
+float16 all-reduce's step time and bytes under a two-process
+MultiWorkerMirroredStrategy (the allreduce family). The
 JSON is rewritten after every test, so a run cut short keeps what it measured.
 """
 
@@ -118,3 +120,16 @@ def test_mirrored_strategy_with_xla(reports):
             rows[name] = {"value": f"fails: {type(e).__name__}", "error": str(e)[:1000]}
         save(reports, checks_report(f"{GPU_MLP.name}: MirroredStrategy, 2 GPUs, XLA", rows))
     assert rows["tfdls"]["value"] == "ok", rows["tfdls"]
+
+
+@pytest.mark.parametrize("case", cases.select("allreduce"), ids=lambda c: c.name)
+def test_float16_all_reduce_between_two_workers(case, reports):
+    """Two worker processes on the first GPU: Keras 3's LossScaleOptimizer, tfdls' with
+    Keras' float32 all-reduce, and tfdls' float16 all-reduce, timed in one run."""
+    report = run.run_family("allreduce", [case], device=GPU)
+    save(reports, report)
+    stats = report["results"][0]["variants"]
+    f16, f32 = stats["tfdls_f16"], stats["tfdls"]
+    # Half the bytes, read from the traced step: the gradients cross as float16.
+    assert f16["all_reduce_bytes_by_dtype"]["float16"] == 2 * f16["parameters"]
+    assert f16["all_reduce_bytes"] < 0.51 * f32["all_reduce_bytes"], (f16, f32)

@@ -188,6 +188,10 @@ def _lookup():
 OPTIMIZER_METHODS = (
     "_get_variable_index",  # positions of variables (overflow attribution)
     "_check_variables_are_known",  # Keras' own "unknown variable" error
+    # Keras' all-reduce of the gradients before the update (TF backend's
+    # TFOptimizer._backend_update_step calls it; Keras 3.9.2 too):
+    # all_reduce_dtype="float16" hands over sums instead.
+    "_all_reduce_sum_gradients",
 )
 OPTIMIZER_ATTRIBUTES = (
     "_trainable_variables",  # set in Optimizer.__init__
@@ -292,3 +296,34 @@ def is_eager_tensor(value):
     import tensorflow as tf
 
     return isinstance(value, tf.__internal__.EagerTensor)
+
+
+def keras_gradient_all_reduce(optimizer):
+    """The method by which a Keras optimizer all-reduces its gradients (see
+    `OPTIMIZER_METHODS`), as `optimizer` will call it."""
+    return optimizer._all_reduce_sum_gradients
+
+
+def set_keras_gradient_all_reduce(optimizer, fn):
+    """Makes `optimizer` all-reduce its gradients with `fn(grads_and_vars)` (an instance
+    attribute, untracked: not part of checkpoints or configs)."""
+    object.__setattr__(optimizer, "_all_reduce_sum_gradients", fn)
+
+
+def graph_and_function_graphs(graph):
+    """`graph` and the graphs of every function it (transitively) calls: cond branches,
+    loop bodies, nested `tf.function`s (no public listing of a graph's functions)."""
+    seen, order = set(), []
+
+    def visit(g):
+        if id(g) in seen:
+            return
+        seen.add(id(g))
+        order.append(g)
+        for function in getattr(g, "_functions", {}).values():
+            inner = getattr(function, "graph", None)
+            if inner is not None:
+                visit(inner)
+
+    visit(graph)
+    return order

@@ -16,7 +16,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from tfdls import _compat, _distribute, _division, _masked_update
+from tfdls import _all_reduce, _compat, _distribute, _division, _masked_update
 from tfdls.loss_scale import DynamicLossScale
 
 
@@ -33,6 +33,15 @@ class Check(_compat.StrEnum):
 
     SCALED = "scaled"
     UNSCALED = "unscaled"
+
+
+class AllReduce(str, enum.Enum):
+    """Who sums the gradients over the replicas, and in what (see `StepPlan.all_reduce`)."""
+
+    KERAS = "keras"
+    FLOAT16 = "float16"
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +72,13 @@ class StepPlan:
         compile: the apply runs as its own XLA cluster.
         reason: why `skip` is not ``"masked"`` and `compile` is False, in
             words (empty when both fast paths are taken).
+        all_reduce: ``"keras"``: the inner optimizer all-reduces the divided
+            gradients in their own dtype after the check (or there is one
+            replica); ``"float16"``: `apply` all-reduces the scaled gradients
+            in float16 first, then divides and checks the sums, and the inner
+            optimizer applies them without all-reducing again
+            (``all_reduce_dtype="float16"`` under several replicas; see
+            `tfdls._all_reduce`).
 
     Example:
 
@@ -83,6 +99,7 @@ class StepPlan:
     skip: Skip
     compile: bool
     reason: str = ""
+    all_reduce: AllReduce = AllReduce.KERAS
 
 
 def plan_step(
@@ -91,6 +108,7 @@ def plan_step(
     inner_optimizer,
     jit_compile,
     loss_scale,
+    all_reduce_dtype=None,
 ):
     """Decides how this `apply` runs; see `StepPlan`.
 
@@ -101,6 +119,7 @@ def plan_step(
         jit_compile: the optimizer's ``jit_compile`` setting.
         loss_scale: the `tfdls.LossScale`, which answers whether it can skip,
             its minimum and whether its values are powers of two.
+        all_reduce_dtype: the optimizer's ``all_reduce_dtype`` (None or ``"float16"``).
     """
     min_scale = loss_scale.min_value
     divide = tuple(
@@ -158,6 +177,10 @@ def plan_step(
         compile_apply = skip == Skip.MASKED
         if not compile_apply:
             reasons.append("jit_compile='auto' compiles only a masked (branch-free) update")
+    all_reduce = AllReduce.KERAS
+    if all_reduce_dtype == _all_reduce.FLOAT16 and _distribute.has_strategy():
+        _all_reduce.check_strategy()
+        all_reduce = AllReduce.FLOAT16
     return StepPlan(
         divide=divide,
         division=_division.method(loss_scale.always_power_of_two, in_xla or compile_apply),
@@ -165,6 +188,7 @@ def plan_step(
         skip=skip,
         compile=compile_apply,
         reason="; ".join(reasons),
+        all_reduce=all_reduce,
     )
 
 

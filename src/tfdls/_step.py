@@ -1,7 +1,8 @@
 """One `LossScaleOptimizer` step, as one pipeline.
 
 `run` reads top to bottom as the step runs: the gradients given (None ones
-set aside once), divide each by what multiplied it (the scale `scale_loss`
+set aside once), summed over the replicas in float16 where the plan says so
+(`tfdls._all_reduce`: the scaled gradients, before anything else), divide each by what multiplied it (the scale `scale_loss`
 recorded, see `tfdls._record`), decide (a `tfdls._decision.Decision`), step
 the scale, record, then apply or skip. It returns the plan that ran: the
 `StepPlan` it was given, or that plan with a ``cond`` where the masked
@@ -20,10 +21,10 @@ import warnings
 
 import tensorflow as tf
 
-from tfdls import _compat, _distribute, _division, _masked_update, finite
+from tfdls import _all_reduce, _compat, _distribute, _division, _masked_update, finite
 from tfdls import gradient_stats as stats_lib
 from tfdls._decision import ALWAYS_APPLIES, Decision
-from tfdls._plan import Skip
+from tfdls._plan import AllReduce, Skip
 
 
 def run(opt, plan, grads, variables):
@@ -38,6 +39,11 @@ def run(opt, plan, grads, variables):
     # The unscaling rule, at run time: divide by 1 if get_unscaled_gradients
     # already divided this step's gradients.
     division = _division.Division(scale, opt._unscaling.consume(), plan.division)
+    # What `overwrite_with_gradient` variables take (never all-reduced, as in Keras).
+    as_value = division.as_value
+    summed = plan.all_reduce == AllReduce.FLOAT16
+    if summed:
+        grads, division = _sum_in_float16(grads, present, plan, division)
     boundary = None
     if opt._boundary_scales is not None:
         boundary = opt._boundary_scales.begin_step(division, positions, opt.iterations)
@@ -45,7 +51,7 @@ def run(opt, plan, grads, variables):
     unscaled = [None] * len(grads)
     for i in present:
         if not plan.divide[i]:
-            unscaled[i] = division.as_value(grads[i])
+            unscaled[i] = as_value(grads[i])
         elif boundary is None or boundary.divisor_of(i) is None:
             unscaled[i] = division.by_scale(grads[i])
         else:
@@ -56,7 +62,24 @@ def run(opt, plan, grads, variables):
     if opt._stats is not None:
         _record_stats(opt, plan, grads, checked, present, positions, division, boundary,
                       decision)
-    return _apply_or_skip(opt, plan, decision, unscaled, variables)
+    with _all_reduce.keras_all_reduce_skipped(opt.inner_optimizer, skip=summed):
+        return _apply_or_skip(opt, plan, decision, unscaled, variables)
+
+
+def _sum_in_float16(grads, present, plan, division):
+    """The scaled gradients summed over the replicas in float16 (`tfdls._all_reduce`), and
+    the `Division` of the sums: by the scale, since they are scaled whatever
+    `get_unscaled_gradients` did (it divided them per replica: multiplied back here)."""
+    summed_positions = [i for i in present if plan.divide[i]]
+    if not summed_positions:
+        return grads, division
+    sums = _all_reduce.sum_scaled([
+        _all_reduce.rescaled(grads[i], division.scale, division.already_unscaled)
+        for i in summed_positions])
+    grads = list(grads)
+    for i, s in zip(summed_positions, sums):
+        grads[i] = s
+    return grads, _division.Division(division.scale, tf.constant(False), division.how)
 
 
 def run_compiled(opt, plan, grads, variables):
@@ -82,10 +105,18 @@ def _decide(opt, grads, checked, unscaled, variables, present, positions, live, 
     if not loss_scale.can_skip:
         return ALWAYS_APPLIES
     custom = loss_scale.decides_from_gradients
+    summed = plan.all_reduce == AllReduce.FLOAT16
     if custom:
         # A custom scale (or a DynamicLossScale subclass with its own update())
         # decides from the unscaled gradients, as in TF 2.4.
         _, verdict = loss_scale.update(unscaled)
+        if verdict is True and summed:
+            raise ValueError(
+                f"LossScaleOptimizer(all_reduce_dtype='float16') needs a loss scale that "
+                f"skips steps whose float16 sums overflow; {type(loss_scale).__name__}.update() "
+                "returned True (never skip). Return a boolean tensor, or use "
+                "all_reduce_dtype=None."
+            )
         if verdict is True:
             return ALWAYS_APPLIES
     if boundary is not None and not custom:
@@ -98,7 +129,7 @@ def _decide(opt, grads, checked, unscaled, variables, present, positions, live, 
     # A step whose sums could overflow is skipped too, whatever a custom scale
     # decided; a lower scale cannot help (they are sums of divided gradients).
     may_overflow = _sums_may_overflow(opt.inner_optimizer, [unscaled[i] for i in present],
-                                      [variables[i] for i in present])
+                                      [variables[i] for i in present], summed)
     vetoed = tf.constant(False) if may_overflow is None else tf.reduce_any(may_overflow)
     if custom:
         vetoes = tf.cast(tf.logical_not(verdict), tf.float32)  # the same on every replica
@@ -162,7 +193,7 @@ def _warn_fallback(opt, reason):
     )
 
 
-def _sums_may_overflow(inner_optimizer, unscaled, variables):
+def _sums_may_overflow(inner_optimizer, unscaled, variables, already_summed=False):
     """Per gradient, whether a sum the inner optimizer forms from it could overflow (a bool
     vector, the same on every replica); None where it forms none.
 
@@ -171,9 +202,11 @@ def _sums_may_overflow(inner_optimizer, unscaled, variables):
     replicas), the rows of one index (`tf.IndexedSlices`) and the window's
     accumulated gradient (``gradient_accumulation_steps``). See
     `finite.sums_may_overflow`; with one replica the accumulated sum is
-    read exactly, as Keras adds it.
+    read exactly, as Keras adds it. Where the gradients are the replicas' sums
+    already (`already_summed`: the float16 all-reduce), the check read the sums
+    themselves: as with one replica, only the other sums remain.
     """
-    replicas = _distribute.replicas_in_sync()
+    replicas = 1 if already_summed else _distribute.replicas_in_sync()
     count = len(unscaled)
     accumulators = [_compat.gradient_accumulator(inner_optimizer, v) for v in variables]
     accumulating = [k for k, a in enumerate(accumulators) if a is not None]

@@ -8,7 +8,7 @@ from typing import Any, Iterable, Sequence
 import keras
 import tensorflow as tf
 
-from tfdls import _bfloat16, _compat, _division, _keras_style, _plan
+from tfdls import _all_reduce, _bfloat16, _compat, _division, _keras_style, _plan
 from tfdls import _forgotten_scale, _record, _step, _unscaling
 from tfdls._bfloat16 import BFloat16Warning  # noqa: F401 (tfdls.optimizer.BFloat16Warning)
 from tfdls import boundaries as boundaries_lib
@@ -81,6 +81,22 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
             Needs a `DynamicLossScale` whose values are powers of two. Not
             part of `get_config`: after loading a saved model, give it again
             with `set_scale_boundaries(model)` (until then `apply` raises).
+        all_reduce_dtype: None (the default) or ``"float16"``. None keeps
+            Keras' own all-reduce: each replica divides and checks its
+            gradients, and the inner optimizer sums them over the replicas in
+            their own dtype (float32 for the float32 variables of
+            mixed_float16). ``"float16"``, under MirroredStrategy or
+            MultiWorkerMirroredStrategy with several replicas, sums the
+            *scaled* gradients over the replicas cast to float16 (half the
+            bytes of float32), then divides and checks the sums, so a sum
+            that overflows float16 skips the step and lowers the scale on
+            every replica alike; the inner optimizer applies the sums without
+            a second all-reduce (and clips, with ``clipnorm`` and the like,
+            the sum rather than each replica's gradient). Without such a
+            strategy it changes nothing. The default is None because the
+            float16 sums round float32 gradients to float16's 11 bits and
+            their range is the loss scale's to keep (README, "Distribution").
+            Needs a loss scale that can skip steps.
 
     Attributes:
         inner_optimizer: the wrapped Keras optimizer.
@@ -133,6 +149,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
         jit_compile: bool | str = "auto",
         gradient_stats: bool = False,
         scale_boundaries: keras.Model | None = None,
+        all_reduce_dtype: str | None = None,
         **kwargs: Any,
     ):
         resolved = _keras_style.loss_scale_from_arguments(inner_optimizer, loss_scale, kwargs)
@@ -151,6 +168,8 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
                 "`jit_compile` must be True, False or 'auto'; "
                 f"got jit_compile={jit_compile!r}"
             )
+        all_reduce_dtype = _all_reduce.resolve(all_reduce_dtype)
+        _all_reduce.check_loss_scale(all_reduce_dtype, resolved)
         # Skip keras.optimizers.LossScaleOptimizer.__init__: it would build a
         # second, Keras-owned scale. Our state lives in `self.loss_scale`.
         keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
@@ -161,6 +180,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
         self._min_scale_policy = policy
         self.jit_compile = jit_compile
         self.record_gradient_stats = gradient_stats
+        self.all_reduce_dtype = all_reduce_dtype
         # The flag behind the unscaling rule (see `get_unscaled_gradients`).
         self._unscaling = _unscaling.UnscaleState()
         # The scale scale_loss multiplied by, which apply divides by (`tfdls._record`).
@@ -376,6 +396,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
                     "trainable_variables=[...] in the order of grads; got "
                     f"trainable_variables={trainable_variables!r}"
                 )
+            _all_reduce.refuse_unscaling_with_boundaries(self.all_reduce_dtype)
             unscaled = self._boundary_scales.unscale(grads, positions, scale, how)
         self._unscaling.record_unscaled(grads, unscaled)
         self._scaled_loss_watch.scaled()
@@ -403,7 +424,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
                 grads, [getattr(v, "path", None) or v.name for v in trainable_variables])
             self._check_boundaries_given(grads, trainable_variables)
             plan = _plan.plan_step(grads, trainable_variables, self.inner_optimizer,
-                                   self.jit_compile, self.loss_scale)
+                                   self.jit_compile, self.loss_scale, self.all_reduce_dtype)
             run = _step.run_compiled if plan.compile else _step.run
             self.step_plan = run(self, plan, grads, trainable_variables)
         finally:
@@ -538,6 +559,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
             "jit_compile": self.jit_compile,
             "gradient_stats": self.record_gradient_stats,
             "scale_boundaries": self._boundaries_expected,
+            "all_reduce_dtype": self.all_reduce_dtype,
         }
 
     def load_own_variables(self, store: Any) -> None:

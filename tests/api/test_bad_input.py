@@ -214,6 +214,15 @@ CASES = {
     "`gradient_stats=\"yes\"`": [
         (lambda: LSO(SGD(), gradient_stats="yes"), TypeError, r"gradient_stats='yes'"),
     ],
+    "`all_reduce_dtype=\"int8\"` (anything but None and `\"float16\"`)": [
+        (lambda: LSO(SGD(), all_reduce_dtype="int8"), ValueError, r"all_reduce_dtype='int8'"),
+        (lambda: LSO(SGD(), all_reduce_dtype="bfloat16"), ValueError,
+         r"all_reduce_dtype='bfloat16'"),
+    ],
+    "`all_reduce_dtype=\"float16\"` with a loss scale that never skips": [
+        (lambda: LSO(SGD(), 128.0, all_reduce_dtype="float16"), ValueError,
+         r"needs a loss scale that can skip.*FixedLossScale"),
+    ],
     "`opt.gradient_stats()` without `gradient_stats=True`": [
         (_stats_not_enabled, ValueError, r"gradient_stats=True.*gradient_stats=False"),
     ],

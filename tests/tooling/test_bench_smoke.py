@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 # The smallest quick case of each family.
 SMALLEST = {"overhead": "20x64x64-sgd-graph", "boundaries": "rescnn1x4-i8-b4-xla",
-            "fit": "mlp2x64-adam-graph"}
+            "fit": "mlp2x64-adam-graph", "allreduce": "mlp2x256-2workers-b8"}
 
 
 def _import(name):
@@ -82,6 +82,13 @@ def test_a_quick_run_of_the_smallest_case_runs_and_renders(family, tmp_path, cap
         assert variants["check_only"]["ms"] > 0
     if family == "boundaries":  # after the stem and after the block's add
         assert [len(variants[n]["factors"]) for n in case.variants] == [0, 1, 2]
+    if family == "allreduce":  # read from the traced steps: half the gradient bytes
+        parameters = variants["tfdls"]["parameters"]
+        assert variants["keras3"]["all_reduce_bytes_by_dtype"]["float32"] >= 4 * parameters
+        assert variants["tfdls_f16"]["all_reduce_bytes_by_dtype"]["float16"] == 2 * parameters
+        assert variants["tfdls_f16"]["all_reduce_bytes"] < 0.51 * variants["tfdls"][
+            "all_reduce_bytes"]
+        assert "float16/float32 bytes" in table
     if family == "fit":
         assert variants["bare"]["loss_scale"] is None  # really no loss scaling
         assert variants["tfdls"]["step_plan"]["skip"] == "masked"

@@ -93,6 +93,7 @@ def check_distributed(out, tmp_path):
     assert 1.0 <= copies[0] < 2.0**24
     assert "replicas agree: True" in out
     assert int(_one(r"^skipped steps: (\d+)$", out)) >= 1
+    assert _one(r"^all-reduce: (\w+)$", out) == "float16"
     assert _float(r"^test accuracy: ([0-9.]+)$", out) > 0.5
 
 
