@@ -8,7 +8,7 @@ file as a script, builds every variant and times them with the one timing
 loop (timing.measure; every worker makes the same calls in the same order, so
 their collectives pair up), and worker 0's figures are the result. Each
 variant also records the bytes its traced step all-reduces per worker, read
-from the step's collective ops (dtype x elements, `tfdls._all_reduce.collective_traffic`).
+from the step's collective ops (dtype x elements, `tfdls._distribute.collective_traffic`).
 """
 
 import json
@@ -82,11 +82,11 @@ def measure_in_cluster(case, names, rounds, warmup, device="/CPU:0", log=None):
 
 def _bytes_per_step(run):
     """Bytes the traced step all-reduces on this worker, by dtype, and the op count."""
-    from tfdls import _all_reduce
+    from tfdls import _distribute
 
     graph = run.step.get_concrete_function(*run.args).graph
     by_dtype, ops = {}, 0
-    for c in _all_reduce.collective_traffic(graph):
+    for c in _distribute.collective_traffic(graph):
         by_dtype[c.dtype] = by_dtype.get(c.dtype, 0) + (c.bytes or 0)
         ops += 1
     return {"all_reduce_bytes": sum(by_dtype.values()), "all_reduce_bytes_by_dtype": by_dtype,

@@ -13,11 +13,33 @@ Three things need care when several replicas train together:
   one under strategies that need it (MirroredStrategy and
   MultiWorkerMirroredStrategy, except MirroredStrategy on GPUs inside XLA), so
   there the branch is taken in cross-replica context: `apply_if`.
+
+And one thing tfdls does only under a strategy, on request
+(``all_reduce_dtype="float16"``, the last section): all-reduce the scaled
+gradients in float16 itself, and keep Keras from all-reducing the sums again.
+
+The rule: under a strategy with several replicas, `apply` casts each float32
+scaled gradient to float16 (float16, bfloat16 and float64 gradients keep
+their dtype), sums the gradients over the replicas in one all-reduce, casts
+the sums back, and then divides and checks the *sums*. A sum that overflows
+float16 is an Inf the check reads, so the step is skipped and the scale
+lowered on every replica alike. Nothing is pre-divided by the number of
+replicas: the dynamic scale already keeps the sum in range (an overflow
+costs one halving, one bit), while a pre-division would push the smallest
+values into float16's subnormals and, for a replica count that is not a
+power of two, round every element once more.
 """
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import threading
 
 import tensorflow as tf
 
-from tfdls import _compat
+from tfdls import _compat, _division
 
 
 def replicas_in_sync():
@@ -135,3 +157,193 @@ def apply_if(should_apply, apply_fn, args=()):
     tf.distribute.get_replica_context().merge_call(
         cross_replica_conditional, args=(should_apply,) + args
     )
+
+
+# -- all_reduce_dtype="float16" -------------------------------------------------------
+
+FLOAT16 = "float16"
+# The strategies whose replica context all-reduces as this path needs (one
+# collective, the same sums on every replica).
+_SUPPORTED_STRATEGIES = ("MirroredStrategy", "MultiWorkerMirroredStrategy",
+                         "CollectiveAllReduceStrategy")
+# Collective ops that sum values between replicas (CPU and GPU).
+ALL_REDUCE_OPS = ("CollectiveReduce", "CollectiveReduceV2", "CollectiveReduceV3",
+                  "NcclAllReduce", "NcclReduce", "CollectiveAllToAllV2")
+GATHER_OPS = ("CollectiveGather", "CollectiveGatherV2")
+
+
+def all_reduce_dtype_from(all_reduce_dtype):
+    """The validated setting: None (Keras' own all-reduce) or ``"float16"``."""
+    if all_reduce_dtype is None:
+        return None
+    name = getattr(all_reduce_dtype, "name", all_reduce_dtype)
+    if name == FLOAT16:
+        return FLOAT16
+    raise ValueError(
+        "`all_reduce_dtype` must be None (the default: Keras all-reduces each gradient in "
+        "its own dtype, unscaled) or 'float16' (the scaled gradients, in half the bytes); "
+        f"got all_reduce_dtype={all_reduce_dtype!r}"
+    )
+
+
+def check_all_reduce_loss_scale(all_reduce_dtype, loss_scale):
+    """Raises for ``"float16"`` with a loss scale that never skips a step."""
+    if all_reduce_dtype is not None and not loss_scale.can_skip:
+        raise ValueError(
+            "all_reduce_dtype='float16' needs a loss scale that can skip a step: a sum "
+            "of float16 gradients may overflow, and only a skipped step keeps the Inf "
+            f"out of the weights; got loss_scale={loss_scale!r}, which never skips. Use a "
+            "dynamic loss scale, or all_reduce_dtype=None."
+        )
+
+
+def refuse_unscaling_with_boundaries(all_reduce_dtype):
+    """`get_unscaled_gradients` with scale boundaries cannot feed the float16 all-reduce."""
+    if all_reduce_dtype is not None and has_strategy():
+        raise ValueError(
+            "get_unscaled_gradients with both scale_boundaries and "
+            "all_reduce_dtype='float16' under a multi-replica strategy: apply() "
+            "must all-reduce the scaled gradients, and cannot scale gradients "
+            "divided by their boundaries' factors back. Pass the scaled gradients "
+            "to apply() (Keras 3 style), or use all_reduce_dtype=None."
+        )
+
+
+def check_all_reduce_strategy():
+    """Raises for a multi-replica strategy this path has not been built for."""
+    strategy = tf.distribute.get_strategy()
+    kinds = {cls.__name__ for cls in type(strategy).__mro__}
+    if not kinds & set(_SUPPORTED_STRATEGIES):
+        raise ValueError(
+            "LossScaleOptimizer(all_reduce_dtype='float16') all-reduces under "
+            "MirroredStrategy and MultiWorkerMirroredStrategy; got "
+            f"{type(strategy).__name__} with {replicas_in_sync()} replicas. "
+            "Use all_reduce_dtype=None under this strategy."
+        )
+
+
+def wire_dtype(dtype):
+    """The dtype a gradient of `dtype` crosses the network in."""
+    return tf.float16 if dtype == tf.float32 else dtype
+
+
+def _cast(grad, dtype):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(grad.values, dtype), grad.indices, grad.dense_shape)
+    return tf.cast(grad, dtype)
+
+
+def sum_scaled_in_float16(grads):
+    """Sums the scaled gradients `grads` over the replicas, in float16 on the wire.
+
+    One `all_reduce` call per dtype on the wire (tf.distribute packs each
+    call into one collective; `tf.IndexedSlices` are gathered, as Keras' own
+    all-reduce does). Each sum comes back in its gradient's dtype, so that the
+    division by the scale that follows is exact. Must be called in replica
+    context.
+    """
+    grads = [g if isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g) for g in grads]
+    dtypes = [g.dtype for g in grads]
+    wire = [_cast(g, wire_dtype(d)) for g, d in zip(grads, dtypes)]
+    # tf.distribute packs one call's tensors into one buffer, which needs one dtype:
+    # one call per wire dtype (one in all for mixed_float16 and float16 models).
+    by_dtype = {}
+    for k, w in enumerate(wire):
+        by_dtype.setdefault(w.dtype, []).append(k)
+    summed = [None] * len(wire)
+    context = tf.distribute.get_replica_context()
+    for positions in by_dtype.values():
+        sums = context.all_reduce(tf.distribute.ReduceOp.SUM, [wire[k] for k in positions])
+        for k, s in zip(positions, sums):
+            summed[k] = s
+    return [_cast(s, d) for s, d in zip(summed, dtypes)]
+
+
+def rescaled(grad, scale, already_unscaled):
+    """`grad` multiplied back by `scale` where `get_unscaled_gradients` divided it (exact
+    for a power-of-two scale): only scaled values fit float16."""
+    factor = tf.where(already_unscaled, scale, tf.ones_like(scale))
+    return _division.multiply(grad, factor)
+
+
+# -- the hook into Keras --------------------------------------------------------------
+
+_lock = threading.Lock()
+_active = collections.Counter()  # id(optimizer) -> applies in progress on this path
+
+
+def _passing_through(optimizer):
+    original = _compat.keras_gradient_all_reduce(optimizer)
+
+    def all_reduce_sum_gradients(grads_and_vars):
+        # Inside a float16-path apply the gradients are sums already.
+        if _active[id(optimizer)]:
+            return list(grads_and_vars)
+        return original(grads_and_vars)
+
+    all_reduce_sum_gradients.tfdls_passthrough = True
+    return all_reduce_sum_gradients
+
+
+@contextlib.contextmanager
+def keras_all_reduce_skipped(inner_optimizer, skip=True):
+    """While active, `inner_optimizer` (each sub-optimizer of a MultiOptimizer) applies
+    the gradients it is given without all-reducing them.
+
+    The inner update may run in other threads (MirroredStrategy runs each
+    replica in its own), so the hook is installed once per optimizer and
+    counts the applies in progress rather than being swapped in and out.
+    """
+    if not skip:
+        yield
+        return
+    optimizers = getattr(inner_optimizer, "optimizers", None) or [inner_optimizer]
+    with _lock:
+        for optimizer in optimizers:
+            if not getattr(_compat.keras_gradient_all_reduce(optimizer),
+                           "tfdls_passthrough", False):
+                _compat.set_keras_gradient_all_reduce(optimizer, _passing_through(optimizer))
+            _active[id(optimizer)] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            for optimizer in optimizers:
+                _active[id(optimizer)] -= 1
+                if not _active[id(optimizer)]:
+                    del _active[id(optimizer)]
+
+
+# -- reading a traced step ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective op of a traced step: its type, dtype and element count (None
+    where the shape is not static)."""
+
+    type: str
+    dtype: str
+    elements: int | None
+    device: str
+
+    @property
+    def bytes(self):
+        return None if self.elements is None else self.elements * tf.as_dtype(self.dtype).size
+
+
+def collective_traffic(graph):
+    """The collective ops (sums and gathers) of `graph` and every function it calls.
+
+    MirroredStrategy traces one op per replica; `device` tells them apart.
+    """
+    found = []
+    for g in _compat.graph_and_function_graphs(graph):
+        for op in g.get_operations():
+            if op.type not in ALL_REDUCE_OPS + GATHER_OPS:
+                continue
+            value = op.inputs[0]
+            shape = value.shape
+            elements = shape.num_elements() if shape.is_fully_defined() else None
+            found.append(Collective(op.type, value.dtype.name, elements, op.device))
+    return found

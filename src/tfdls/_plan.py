@@ -16,7 +16,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from tfdls import _all_reduce, _compat, _distribute, _division, _masked_update
+from tfdls import _compat, _distribute, _division, _masked_update
 from tfdls.loss_scale import DynamicLossScale
 
 
@@ -35,13 +35,11 @@ class Check(_compat.StrEnum):
     UNSCALED = "unscaled"
 
 
-class AllReduce(str, enum.Enum):
+class AllReduce(_compat.StrEnum):
     """Who sums the gradients over the replicas, and in what (see `StepPlan.all_reduce`)."""
 
     KERAS = "keras"
     FLOAT16 = "float16"
-    __str__ = str.__str__
-    __format__ = str.__format__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +76,7 @@ class StepPlan:
             in float16 first, then divides and checks the sums, and the inner
             optimizer applies them without all-reducing again
             (``all_reduce_dtype="float16"`` under several replicas; see
-            `tfdls._all_reduce`).
+            `tfdls._distribute`).
 
     Example:
 
@@ -178,8 +176,8 @@ def plan_step(
         if not compile_apply:
             reasons.append("jit_compile='auto' compiles only a masked (branch-free) update")
     all_reduce = AllReduce.KERAS
-    if all_reduce_dtype == _all_reduce.FLOAT16 and _distribute.has_strategy():
-        _all_reduce.check_strategy()
+    if all_reduce_dtype == _distribute.FLOAT16 and _distribute.has_strategy():
+        _distribute.check_all_reduce_strategy()
         all_reduce = AllReduce.FLOAT16
     return StepPlan(
         divide=divide,

@@ -2,8 +2,9 @@
 
 `run` reads top to bottom as the step runs: the gradients given (None ones
 set aside once), summed over the replicas in float16 where the plan says so
-(`tfdls._all_reduce`: the scaled gradients, before anything else), divide each by what multiplied it (the scale `scale_loss`
-recorded, see `tfdls._record`), decide (a `tfdls._decision.Decision`), step
+(`tfdls._distribute`: the scaled gradients, before anything else), divide
+each by what multiplied it (the scale `scale_loss` recorded, see
+`tfdls._record`), decide (a `tfdls._decision.Decision`), step
 the scale, record, then apply or skip. It returns the plan that ran: the
 `StepPlan` it was given, or that plan with a ``cond`` where the masked
 update's audit failed.
@@ -21,7 +22,7 @@ import warnings
 
 import tensorflow as tf
 
-from tfdls import _all_reduce, _compat, _distribute, _division, _masked_update, finite
+from tfdls import _compat, _distribute, _division, _masked_update, finite
 from tfdls import gradient_stats as stats_lib
 from tfdls._decision import ALWAYS_APPLIES, Decision
 from tfdls._plan import AllReduce, Skip
@@ -62,19 +63,19 @@ def run(opt, plan, grads, variables):
     if opt._stats is not None:
         _record_stats(opt, plan, grads, checked, present, positions, division, boundary,
                       decision)
-    with _all_reduce.keras_all_reduce_skipped(opt.inner_optimizer, skip=summed):
+    with _distribute.keras_all_reduce_skipped(opt.inner_optimizer, skip=summed):
         return _apply_or_skip(opt, plan, decision, unscaled, variables)
 
 
 def _sum_in_float16(grads, present, plan, division):
-    """The scaled gradients summed over the replicas in float16 (`tfdls._all_reduce`), and
+    """The scaled gradients summed over the replicas in float16 (`tfdls._distribute`), and
     the `Division` of the sums: by the scale, since they are scaled whatever
     `get_unscaled_gradients` did (it divided them per replica: multiplied back here)."""
     summed_positions = [i for i in present if plan.divide[i]]
     if not summed_positions:
         return grads, division
-    sums = _all_reduce.sum_scaled([
-        _all_reduce.rescaled(grads[i], division.scale, division.already_unscaled)
+    sums = _distribute.sum_scaled_in_float16([
+        _distribute.rescaled(grads[i], division.scale, division.already_unscaled)
         for i in summed_positions])
     grads = list(grads)
     for i, s in zip(summed_positions, sums):

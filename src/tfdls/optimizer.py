@@ -8,7 +8,7 @@ from typing import Any, Iterable, Sequence
 import keras
 import tensorflow as tf
 
-from tfdls import _all_reduce, _bfloat16, _compat, _division, _keras_style, _plan
+from tfdls import _bfloat16, _compat, _distribute, _division, _keras_style, _plan
 from tfdls import _forgotten_scale, _record, _step, _unscaling
 from tfdls._bfloat16 import BFloat16Warning  # noqa: F401 (tfdls.optimizer.BFloat16Warning)
 from tfdls import boundaries as boundaries_lib
@@ -168,8 +168,8 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
                 "`jit_compile` must be True, False or 'auto'; "
                 f"got jit_compile={jit_compile!r}"
             )
-        all_reduce_dtype = _all_reduce.resolve(all_reduce_dtype)
-        _all_reduce.check_loss_scale(all_reduce_dtype, resolved)
+        all_reduce_dtype = _distribute.all_reduce_dtype_from(all_reduce_dtype)
+        _distribute.check_all_reduce_loss_scale(all_reduce_dtype, resolved)
         # Skip keras.optimizers.LossScaleOptimizer.__init__: it would build a
         # second, Keras-owned scale. Our state lives in `self.loss_scale`.
         keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name)
@@ -396,7 +396,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
                     "trainable_variables=[...] in the order of grads; got "
                     f"trainable_variables={trainable_variables!r}"
                 )
-            _all_reduce.refuse_unscaling_with_boundaries(self.all_reduce_dtype)
+            _distribute.refuse_unscaling_with_boundaries(self.all_reduce_dtype)
             unscaled = self._boundary_scales.unscale(grads, positions, scale, how)
         self._unscaling.record_unscaled(grads, unscaled)
         self._scaled_loss_watch.scaled()

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tfdls
-from tfdls import _all_reduce
+from tfdls import _distribute
 
 SCALE = 2.0**12
 
@@ -187,7 +187,7 @@ def _traced_collectives(strategy, opt, model, x):
         strategy.run(replica_step, args=(x,))
 
     graph = train_step.get_concrete_function(tf.TensorSpec(x.shape, tf.float32)).graph
-    return _all_reduce.collective_traffic(graph)
+    return _distribute.collective_traffic(graph)
 
 
 @pytest.mark.parametrize("all_reduce_dtype", [None, "float16"])
@@ -279,7 +279,7 @@ def test_indexed_slices_are_gathered_in_float16_and_applied_once(mirrored_strate
         opt.apply([tf.IndexedSlices(values * 2.0**10, indices, tf.constant([6, 2]))], [table])
 
     step = tf.function(lambda: strategy.run(replica_fn))
-    collectives = _all_reduce.collective_traffic(step.get_concrete_function().graph)
+    collectives = _distribute.collective_traffic(step.get_concrete_function().graph)
     step()
     expected = np.zeros((6, 2), np.float64)
     for indices, values in rows.values():
@@ -350,7 +350,7 @@ def test_sixteen_bit_gradients_keep_their_dtype(mirrored_strategy, variable_dtyp
         opt.apply([tf.fill([4], tf.constant(12.0, variable_dtype))], [w])
 
     step = _replica_step(strategy, replica_fn)
-    collectives = _all_reduce.collective_traffic(step.get_concrete_function().graph)
+    collectives = _distribute.collective_traffic(step.get_concrete_function().graph)
     step()
     assert {c.dtype for c in collectives if c.elements == 4} == {variable_dtype}
     np.testing.assert_array_equal(_the_value(strategy, w).astype(np.float32), np.full(4, -6.0))
@@ -491,7 +491,7 @@ def test_gradients_of_several_dtypes_cross_in_one_collective_per_dtype(mirrored_
         opt.apply([tf.fill([3], tf.constant(8.0, v.dtype)) for v in variables], variables)
 
     step = _replica_step(strategy, replica_fn)
-    collectives = _all_reduce.collective_traffic(step.get_concrete_function().graph)
+    collectives = _distribute.collective_traffic(step.get_concrete_function().graph)
     step()
     sizes = sorted((c.dtype, c.elements) for c in collectives if c.dtype != "float32")
     assert sizes == sorted([("float16", 6), ("bfloat16", 3), ("float64", 3)] * 2)
