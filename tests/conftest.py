@@ -33,6 +33,17 @@ def mirrored_strategy():
     return tf.distribute.MirroredStrategy(REPLICA_DEVICES)
 
 
+@pytest.fixture
+def plan_as_on_an_accelerator(monkeypatch):
+    """`jit_compile="auto"` plans as where a GPU or TPU is visible: a masked apply is
+    compiled whatever its size. Without one, an apply smaller than
+    `tfdls._plan.AUTO_COMPILE_MIN_ELEMENTS` runs uncompiled with a cond; the tests of
+    the compiled masked step use small models, so they ask for this."""
+    from tfdls import _plan
+
+    monkeypatch.setattr(_plan, "_accelerator_visible", lambda: True)
+
+
 @pytest.fixture(autouse=True)
 def _float32_policy():
     """Every test starts and ends with the default float32 policy."""

@@ -26,6 +26,10 @@ import tfdls
 from tests.support.keras_optimizers import EXPORTED, make_optimizer
 from tests.optimizer.test_masked_update import COMPILED_ULPS, _bits, _ulps
 
+# Small models: without this, jit_compile="auto" on the CPU would take a cond
+# (tfdls._plan.AUTO_COMPILE_MIN_ELEMENTS) and these tests are of the masked step.
+pytestmark = pytest.mark.usefixtures("plan_as_on_an_accelerator")
+
 NAN = float("nan")
 SCALE = 2.0**10
 ROWS, WIDTH = 6, 3

@@ -26,6 +26,10 @@ import tfdls
 from tests.support.keras_optimizers import EXPORTED, make_optimizer
 from tfdls import _masked_update
 
+# Small models: without this, jit_compile="auto" on the CPU would take a cond
+# (tfdls._plan.AUTO_COMPILE_MIN_ELEMENTS) and these tests are of the masked step.
+pytestmark = pytest.mark.usefixtures("plan_as_on_an_accelerator")
+
 NAN = float("nan")
 SCALE = 2.0**12
 # A compiled apply fuses the check and the masked writes into the update;

@@ -32,6 +32,10 @@ import tfdls
 from tests.support.fast_loop import slow_except
 from tests.support.keras_optimizers import EXPORTED, make_optimizer
 
+# Small models: without this, jit_compile="auto" on the CPU would take a cond
+# (tfdls._plan.AUTO_COMPILE_MIN_ELEMENTS) and these tests are of the masked step.
+pytestmark = pytest.mark.usefixtures("plan_as_on_an_accelerator")
+
 BRANCH_OPS = {"If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile"}
 HOST_OPS = {"EagerPyFunc", "PyFunc", "PyFuncStateless"}
 SHAPES = [(8, 4), (4,), (4, 2), (2,)]

@@ -3,7 +3,9 @@ where the rules say (`tfdls.StepPlan`, `tfdls._plan.plan_step`).
 
 * ``jit_compile="auto"`` runs a graph-mode apply as its own XLA cluster only
   for a dynamic scale, a branch-free (masked) skip, no strategy and no op
-  determinism; it changes nothing but speed.
+  determinism, and, without a GPU or TPU, only for an apply of at least
+  `AUTO_COMPILE_MIN_ELEMENTS` gradient elements (a smaller one takes a cond,
+  uncompiled); it changes nothing but speed.
 * the check reads the scaled gradients only while the scale cannot fall
   below 1.
 """
@@ -89,7 +91,8 @@ class _OwnSGD(keras.optimizers.SGD):
     ids=["adam-auto", "sgd-auto", "adam-off", "adamw-auto", "accumulation-auto",
          "accumulation-off", "own-class-auto", "own-class-on"],
 )
-def test_which_graph_steps_mask_and_compile(make_inner, jit_compile, skip, compiled):
+def test_which_graph_steps_mask_and_compile(make_inner, jit_compile, skip, compiled,
+                                           plan_as_on_an_accelerator):
     variables = _variables()
     opt = tfdls.LossScaleOptimizer(make_inner(), jit_compile=jit_compile)
     opt.build(variables)
@@ -99,6 +102,59 @@ def test_which_graph_steps_mask_and_compile(make_inner, jit_compile, skip, compi
     assert _xla_clusters(lambda g: opt.apply(g, variables), _grad_specs()) == int(compiled)
     if skip == "cond":
         assert "_OwnSGD is not one of Keras' own optimizer classes" in plan.reason
+
+
+@pytest.mark.parametrize("inner", ["adam", "sgd"])
+def test_auto_on_the_cpu_compiles_only_applies_of_the_threshold_size_or_more(inner):
+    """No GPU or TPU here: below the threshold a cond, uncompiled; at it, masked and
+    compiled. Counted over the variables that get a gradient."""
+    from tfdls import _plan
+
+    assert not _plan._accelerator_visible()  # the CI machine has none
+    threshold = _plan.AUTO_COMPILE_MIN_ELEMENTS
+    make = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD}[inner]
+    for extra, skip, compiled in ((-1, "cond", False), (0, "masked", True)):
+        variables = [keras.Variable(tf.zeros([threshold + extra - 3])),
+                     keras.Variable(tf.zeros([3])), keras.Variable(tf.zeros([1000]))]
+        opt = tfdls.LossScaleOptimizer(make(1e-2))
+        opt.build(variables)
+        specs = [tf.TensorSpec(v.shape, tf.float32) for v in variables[:2]]
+        step = tf.function(lambda a, b: opt.apply([a, b, None], variables))
+        assert _xla_clusters(step, *specs) == int(compiled)
+        plan = opt.step_plan
+        assert (plan.skip, plan.compile) == (skip, compiled), plan.reason
+        if not compiled:
+            assert f"at least {threshold:,} gradient elements (this one has " \
+                   f"{threshold - 1:,})" in plan.reason
+    # jit_compile=False keeps the masked step: only "auto" follows the size.
+    variables = _variables()
+    off = tfdls.LossScaleOptimizer(make(1e-2), jit_compile=False)
+    off.build(variables)
+    assert (_plan_of(off, variables).skip, off.step_plan.compile) == ("masked", False)
+
+
+def test_a_small_cpu_step_with_a_cond_is_exact_and_skips_bit_identically():
+    """The small CPU plan (a cond) against the bare optimizer: same finite steps, a
+    skipped step leaves every variable as it was."""
+    variables, bare_vars = _variables(), _variables()
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam(1e-2),
+                                   tfdls.DynamicLossScale(2.0**4, increment_period=1000))
+    bare = keras.optimizers.Adam(1e-2)
+    opt.build(variables)
+    bare.build(bare_vars)
+    step = tf.function(lambda g: opt.apply(g, variables))
+    bare_step = tf.function(lambda g: bare.apply(g, bare_vars))
+    for k in range(3):
+        grads = _scaled_grads(k, 2.0**4)
+        step(grads)
+        bare_step([g / 2.0**4 for g in grads])
+        assert opt.step_plan.skip == "cond" and not opt.step_plan.compile
+    assert _bits(variables) == _bits(bare_vars)
+    before = _bits(variables + list(opt.inner_optimizer.variables))
+    bad = _scaled_grads(9, 2.0**4)
+    step([bad[0] * NAN, bad[1]])
+    assert _bits(variables + list(opt.inner_optimizer.variables)) == before
+    assert float(opt.loss_scale()) == 2.0**3
 
 
 def test_plan_outside_a_graph_step():
