@@ -111,6 +111,14 @@ def sum_of_per_replica(fn, per_replica_args):
     return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
 
+def _check_replica_context():
+    if tf.distribute.in_cross_replica_context():
+        raise ValueError(
+            "LossScaleOptimizer.apply() must be called in a replica context "
+            "(inside strategy.run or model.fit), not in cross-replica context."
+        )
+
+
 def apply_if(should_apply, apply_fn, args=()):
     """Runs `apply_fn(*args)` iff the scalar bool `should_apply` is true (a `tf.cond`).
 
@@ -128,11 +136,7 @@ def apply_if(should_apply, apply_fn, args=()):
     if not has_strategy():
         conditional(should_apply, *args)
         return
-    if tf.distribute.in_cross_replica_context():
-        raise ValueError(
-            "LossScaleOptimizer.apply() must be called in a replica context "
-            "(inside strategy.run or model.fit), not in cross-replica context."
-        )
+    _check_replica_context()
     if not needs_merge_call():
         conditional(should_apply, *args)
         return
@@ -176,7 +180,13 @@ def all_reduce_dtype_from(all_reduce_dtype):
     """The validated setting: None (Keras' own all-reduce) or ``"float16"``."""
     if all_reduce_dtype is None:
         return None
-    name = getattr(all_reduce_dtype, "name", all_reduce_dtype)
+    if isinstance(all_reduce_dtype, str):
+        name = all_reduce_dtype
+    else:
+        try:  # a dtype: tf.float16, np.float16, np.dtype("float16")
+            name = tf.as_dtype(all_reduce_dtype).name
+        except TypeError:  # not a dtype (a DTypePolicy, a number)
+            name = None
     if name == FLOAT16:
         return FLOAT16
     raise ValueError(
@@ -242,6 +252,7 @@ def sum_scaled_in_float16(grads):
     division by the scale that follows is exact. Must be called in replica
     context.
     """
+    _check_replica_context()
     grads = [g if isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g) for g in grads]
     dtypes = [g.dtype for g in grads]
     wire = [_cast(g, wire_dtype(d)) for g, d in zip(grads, dtypes)]

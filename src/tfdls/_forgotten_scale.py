@@ -8,7 +8,8 @@ by it, the updates come out 2**15 times too small, and nothing fails.
 The rule, checked in Python when `apply` runs eagerly or is traced (no device
 read): `apply` expects a `scale_loss`, `get_scaled_loss` or
 `get_unscaled_gradients` call in the same traced function (or one enclosing
-it), or an eager one since it last updated these variables. `fit` always
+it), or an eager one in the same thread since it last updated these
+variables. `fit` always
 calls `scale_loss` in its train step. Where the loss was multiplied by
 `loss_scale()` by hand, silence it with
 ``warnings.filterwarnings("ignore", category=tfdls.UnscaledLossWarning)``.
@@ -16,6 +17,7 @@ calls `scale_loss` in its train step. Where the loss was multiplied by
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 
@@ -47,29 +49,36 @@ class ScaledLossWatch:
     def __init__(self):
         # Graphs in which scale_loss (or get_unscaled_gradients) was traced.
         self._graphs = weakref.WeakSet()
-        # Eagerly: whether scale_loss ran since the start, and the variables
-        # (by id) updated since the last eager call.
-        self._scaled_eagerly = False
-        self._applied_since = set()
+        # Eagerly, per thread (an eager strategy.run runs each replica's
+        # scale_loss and apply in a thread of its own, interleaved): whether
+        # scale_loss ran, and the variables (by id) updated since it last did.
+        self._eager = threading.local()
         self._warned = False
+
+    def _eager_state(self):
+        if not hasattr(self._eager, "applied_since"):
+            self._eager.scaled, self._eager.applied_since = False, set()
+        return self._eager
 
     def scaled(self):
         """`scale_loss`, `get_scaled_loss` or `get_unscaled_gradients` ran."""
         if tf.inside_function():
             self._graphs.add(tf.compat.v1.get_default_graph())
         else:
-            self._scaled_eagerly = True
-            self._applied_since.clear()
+            eager = self._eager_state()
+            eager.scaled = True
+            eager.applied_since.clear()
 
     def check(self, variables):
         """`apply` of `variables`: warns once where no scaled loss preceded it."""
         keys = {id(v) for v in variables}
-        eager_ok = self._scaled_eagerly and not (keys & self._applied_since)
+        eager = self._eager_state()
+        eager_ok = eager.scaled and not (keys & eager.applied_since)
         if tf.inside_function():
             ok = eager_ok or self._traced_in_enclosing_graph()
         else:
             ok = eager_ok
-            self._applied_since |= keys
+            eager.applied_since |= keys
         if ok or self._warned:
             return
         self._warned = True
