@@ -214,7 +214,7 @@ CASES = {
     "`gradient_stats=\"yes\"`": [
         (lambda: LSO(SGD(), gradient_stats="yes"), TypeError, r"gradient_stats='yes'"),
     ],
-    "`all_reduce_dtype=\"int8\"` (anything but None and `\"float16\"`)": [
+    "`all_reduce_dtype=\"int8\"` (anything but None and float16: `\"float16\"`, `tf.float16`, `np.float16`)": [
         (lambda: LSO(SGD(), all_reduce_dtype="int8"), ValueError, r"all_reduce_dtype='int8'"),
         (lambda: LSO(SGD(), all_reduce_dtype="bfloat16"), ValueError,
          r"all_reduce_dtype='bfloat16'"),
