@@ -33,6 +33,7 @@ This is used only where it can be shown exact at trace time:
 
 import contextlib
 import dataclasses
+import weakref
 
 import keras
 import tensorflow as tf
@@ -289,17 +290,28 @@ def _audit(graph, resolve, known, own_ops):
     return "", direct
 
 
+# {inner optimizer: {(variables, gradients present, sparse or not): the variables its
+# update wrote directly when last traced}}, the start of its next trace (see `apply`).
+_written_directly = weakref.WeakKeyDictionary()
+
+
 def apply(inner_optimizer, grads, trainable_variables, should_apply):
     """Runs ``inner_optimizer.apply(grads, trainable_variables)`` masked by `should_apply`.
 
     Returns the `Audit`; when it is not exact nothing was run and the caller
     must skip another way.
 
-    The update is traced twice: first with every variable it may write read
-    beforehand, to find (by the audit) the ones it writes directly; then
-    with only those read beforehand, which is the function that runs. A read
-    of a variable written in place later (an embedding table's scatter_add)
-    would make TensorFlow copy the whole variable.
+    The update is traced with every variable it may write read beforehand,
+    to find (by the audit) the ones it writes directly. Inside XLA with dense
+    gradients that trace is the function that runs: XLA drops the reads no
+    restore uses. Otherwise it is traced again with only those variables
+    read beforehand, which is the function that runs: outside XLA each read
+    is an op per step, and a read of a variable written in place later (an
+    embedding table's scatter_add) would make TensorFlow copy the whole
+    variable. A later trace of the same update (Keras traces a train step
+    more than once; a notebook retraces) starts from the variables the last
+    one found: one trace, audited like any other, and the passes above
+    again only where that audit fails.
     """
     present = [i for i, g in enumerate(grads) if g is not None]
     candidates = []
@@ -355,10 +367,23 @@ def apply(inner_optimizer, grads, trainable_variables, should_apply):
         )
         return function, outcome
 
-    _, first = trace(candidates)
+    key = (tuple(id(v) for v in trainable_variables), tuple(present),
+           tuple(isinstance(grads[i], tf.IndexedSlices) for i in present))
+    found_before = _written_directly.setdefault(inner_optimizer, {})
+    if key in found_before:
+        update, again = trace(found_before[key])
+        if again["audit"].exact:
+            update(should_apply, present_grads)
+            return again["audit"]
+    update, first = trace(candidates)
     if not first["audit"].exact:
+        return first["audit"]
+    if _compat.in_xla_context() and not any(isinstance(g, tf.IndexedSlices) for g in grads):
+        found_before[key] = first["direct"]
+        update(should_apply, present_grads)
         return first["audit"]
     update, second = trace(first["direct"])
     if second["audit"].exact:
+        found_before[key] = first["direct"]
         update(should_apply, present_grads)
     return second["audit"]

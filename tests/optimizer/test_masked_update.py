@@ -230,6 +230,66 @@ def test_audit_lists_the_restored_variables():
 
 
 
+def _count_traces(monkeypatch):
+    """Counts the traces of the masked update (calls of tf.function's tracing in
+    `_masked_update.apply`)."""
+    traces = []
+    real = tf.function
+
+    def counting(fn, *args, **kwargs):
+        if getattr(fn, "__name__", "") == "masked_update":
+            traces.append(fn)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(_masked_update.tf, "function", counting)
+    return traces
+
+
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_a_retrace_starts_from_what_the_last_trace_found(monkeypatch, mode):
+    """Graph: two passes on the first trace, one on the next; XLA (dense): one each. The
+    function that runs is audited either way, and skips exactly."""
+    traces = _count_traces(monkeypatch)
+    variables = _variables()
+    inner = keras.optimizers.AdamW(1e-2, weight_decay=0.1)
+    opt = tfdls.LossScaleOptimizer(inner, jit_compile=False)
+    opt.build(variables)
+    per_trace = []
+    for _ in range(2):  # two tf.functions: two traces of the same update
+        step = tf.function(lambda g: opt.apply(g, variables), jit_compile=mode == "xla")
+        before = len(traces)
+        step([tf.ones([4, 3]), tf.ones([3])])
+        per_trace.append(len(traces) - before)
+        assert opt.step_plan.skip == "masked", opt.step_plan.reason
+        kept = _bits(variables + inner.variables)
+        step([tf.fill([4, 3], NAN), tf.ones([3])])
+        assert _bits(variables + inner.variables) == kept
+    assert per_trace == ([2, 1] if mode == "graph" else [1, 1])
+
+
+def test_a_start_that_misses_a_direct_write_fails_its_audit_and_traces_again(monkeypatch):
+    """The remembered start is a guess the audit checks: one that misses the step counter
+    (written directly) fails, and the update is traced from every variable again."""
+    traces = _count_traces(monkeypatch)
+    variables = _variables()
+    inner = keras.optimizers.Adam(1e-2)
+    opt = tfdls.LossScaleOptimizer(inner, jit_compile=False)
+    opt.build(variables)
+    tf.function(lambda g: opt.apply(g, variables))([tf.ones([4, 3]), tf.ones([3])])
+    (starts,) = _masked_update._written_directly[inner].values()
+    assert any("iteration" in v.name for v in starts)
+    for key in _masked_update._written_directly[inner]:
+        _masked_update._written_directly[inner][key] = []  # forget the step counter
+    before = len(traces)
+    step = tf.function(lambda g: opt.apply(g, variables))
+    step([tf.ones([4, 3]), tf.ones([3])])
+    assert len(traces) - before == 3  # the failed start, then both passes
+    assert opt.step_plan.skip == "masked", opt.step_plan.reason
+    kept = _bits(variables + inner.variables)
+    step([tf.fill([4, 3], NAN), tf.ones([3])])
+    assert _bits(variables + inner.variables) == kept
+
+
 @pytest.mark.skipif("MultiOptimizer" not in EXPORTED, reason="this Keras has no MultiOptimizer")
 def test_a_multi_optimizers_sub_optimizer_writes_are_masked_not_restored():
     """A MultiOptimizer's sub-optimizers write through their own assign
