@@ -204,7 +204,7 @@ def divide_by_power_of_two(grad, exponent, max_exponent: int, pieces=None):
     return multiply_by_pieces(grad, pieces)
 
 
-def divide(grad, divisor, how: str):
+def divide(grad, divisor, how: str, factors=None):
     """``grad / divisor`` correctly rounded to ``grad``'s dtype.
 
     Args:
@@ -213,14 +213,17 @@ def divide(grad, divisor, how: str):
         how: ``"divide_in_float64"`` (always exact), ``"divide"`` or
             ``"factors"`` (exact only for a power-of-two divisor; see the
             module docstring and `method`).
+        factors: for ``"factors"``, `reciprocal_factors(divisor)` if already
+            computed (one step divides every gradient by the same divisor).
     """
     if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(divide(grad.values, divisor, how), grad.indices, grad.dense_shape)
+        return tf.IndexedSlices(divide(grad.values, divisor, how, factors), grad.indices,
+                                grad.dense_shape)
     grad = tf.convert_to_tensor(grad)
     narrow = grad.dtype in NARROW_FLOATS
     if how == Method.FACTORS:
         wide = tf.cast(grad, tf.float32) if narrow else grad
-        first, second = reciprocal_factors(divisor)
+        first, second = reciprocal_factors(divisor) if factors is None else factors
         result = wide * tf.cast(first, wide.dtype) * tf.cast(second, wide.dtype)
     elif how == Method.DIVIDE:
         wide = tf.cast(grad, tf.float32) if narrow else grad
@@ -294,8 +297,13 @@ class Division:
     def divisor(self):
         return tf.where(self.already_unscaled, tf.ones_like(self.scale), self.scale)
 
+    @functools.cached_property  # likewise: one set of ops per step
+    def reciprocal_factors(self):
+        return reciprocal_factors(self.divisor)
+
     def by_scale(self, grad):
-        return divide(grad, self.divisor, self.how)
+        factors = self.reciprocal_factors if self.how == Method.FACTORS else None
+        return divide(grad, self.divisor, self.how, factors)
 
     def as_value(self, grad):
         """The "gradient" of an `overwrite_with_gradient` variable, a value never divided:
