@@ -686,6 +686,33 @@ def test_deeply_nested_boundaries_compile_in_linear_time():
     assert want != exponents  # the case moves boundaries
     assert elapsed < 60, f"tracing and compiling 32 nested levels took {elapsed:.0f} s"
 
+
+def test_nesting_levels_share_one_parent_mask():
+    """The placement's levels read one (count + 1)**2 parent mask, made once per trace:
+    a numpy bool array converts element by element, so one mask per level cost
+    count**3 at trace time (a 200-deep chain spent about 25 s converting them)."""
+    count = 24
+    layers = [tfdls.ScaleBoundary() for _ in range(count)]
+    scales = _boundary_scales.BoundaryScales.__new__(_boundary_scales.BoundaryScales)
+    tf.Module.__init__(scales)
+    scales.map = type("FakeMap", (), {"parents": tuple(range(-1, count - 1))})()
+    scales.boundaries = tuple(layers)
+    scales.lowered = tf.Variable(np.zeros([count], np.bool_))
+    assert scales._tree.depth == count
+
+    @tf.function
+    def update(exponents, segment_exponent):
+        return scales.update(exponents, scales.totals(exponents), tf.constant(True),
+                             tf.zeros([count + 1], tf.bool), segment_exponent,
+                             tf.constant(0, tf.int64))
+
+    graph = update.get_concrete_function(
+        tf.TensorSpec([count], tf.float32), tf.TensorSpec([count + 1], tf.float32)).graph
+    masks = [op for op in graph.get_operations() if op.type == "Const"
+             and op.get_attr("dtype") == tf.bool
+             and op.outputs[0].shape.as_list() == [count + 1, count + 1]]
+    assert len(masks) == 1, len(masks)
+
 def crafted_step(optimizer, model, magnitudes):
     """Applies gradients whose elements are all `magnitudes[layer]` (per kernel and bias)."""
     grads = []

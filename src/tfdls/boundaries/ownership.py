@@ -65,8 +65,10 @@ def refuse_boundaries_not_given(grads, variables, known) -> None:
     through a discriminator with boundaries). Where no boundary was ever
     traced or owned in this process, neither can apply: nothing is walked.
     """
+    known_ids = {id(k) for k in known}  # by identity; a lookup, not a scan per boundary
+
     def unknown(boundaries):
-        return sorted({b.name for b in boundaries if not any(b is k for k in known)})
+        return sorted({b.name for b in boundaries if id(b) not in known_ids})
 
     for variable in variables:
         names = unknown(registry.owned_boundaries_above(variable))

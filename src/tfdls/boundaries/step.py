@@ -193,6 +193,10 @@ class BoundaryScales(tf.Module):
         low = np.append(tree.mins, 0.0).astype(np.float32)
         high = np.append(tree.maxs, 0.0).astype(np.float32)
         new_totals = tf.zeros([count + 1])
+        # One constant for all levels: a numpy bool array converts element by
+        # element (TensorFlow has no fast path for bool), so converting the
+        # (count + 1)**2 mask at every level cost count**3 at trace time.
+        is_parent = tf.constant(tree.is_parent)
         for _ in range(tree.depth):
             # The parents' totals: per row, the largest of the one selected element
             # and -inf, that is the parent's total bit for bit (totals are finite),
@@ -203,7 +207,7 @@ class BoundaryScales(tf.Module):
             # boundaries compiled in seconds, 20 in minutes and 4 GB). A reduction
             # ends a fusion: one small fusion per level.
             parent_total = tf.reduce_max(
-                tf.where(tree.is_parent, new_totals[tf.newaxis, :], -np.inf), axis=1)
+                tf.where(is_parent, new_totals[tf.newaxis, :], -np.inf), axis=1)
             values = tf.where(moves, tf.clip_by_value(targets - parent_total, low, high), kept)
             new_totals = parent_total + values
         finite_values = values[:count]

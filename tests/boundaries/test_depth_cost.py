@@ -1,0 +1,68 @@
+"""A boundary after every layer of a 100-layer MLP: the first `fit` costs a bounded multiple.
+
+Tracing and compiling scale boundaries once grew exponentially with their
+nesting depth (20 nested boundaries took minutes and 4 GB), then cubically at
+trace time (a parent mask per nesting level, a scan per boundary above each
+variable). This compares the first `fit` (trace, compile, 2 steps) of
+`Dense(64, sigmoid)` x 100 under mixed_float16 in graph mode, with
+`add_scale_boundaries(every=1)` (100 nested boundaries) and with the global
+scale alone, each in its own process: process CPU seconds from `compile` to
+the end of `fit`, and the process' peak resident set size.
+
+Measured on a shared 2-core Xeon (benchmarks/depth.py, docs/per-layer-scales.md):
+about 1.5-1.7x the CPU time and 1.4x the peak; the bounds leave room for a
+loaded machine and catch what grows faster than linearly, not 10%.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+MAX_CPU_RATIO = 3.0
+MAX_PEAK_RATIO = 1.75
+
+_SCRIPT = """
+import json, os, resource, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+import keras, numpy as np, tfdls
+keras.mixed_precision.set_global_policy("mixed_float16")
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((64,))]
+                         + [keras.layers.Dense(64, activation="sigmoid") for _ in range(100)]
+                         + [keras.layers.Dense(10, dtype="float32")])
+extra = {}
+if sys.argv[1] == "boundaries":
+    model = tfdls.add_scale_boundaries(model, every=1)
+    extra = {"scale_boundaries": model}
+optimizer = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1e-3), **extra)
+rng = np.random.default_rng(0)
+x, y = rng.standard_normal((64, 64)).astype("float32"), rng.integers(0, 10, 64)
+cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+start = cpu()
+model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              jit_compile=False)
+loss = model.fit(x, y, batch_size=32, epochs=1, verbose=0).history["loss"][-1]
+print(json.dumps({"cpu_s": cpu() - start, "loss": loss,
+                  "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "boundaries": sum(isinstance(l, tfdls.ScaleBoundary) for l in model.layers)}))
+"""
+
+
+def _first_fit(scale):
+    result = subprocess.run([sys.executable, "-c", _SCRIPT, scale], capture_output=True,
+                            text=True, timeout=600, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_first_fit_of_100_nested_boundaries_costs_a_bounded_multiple_of_the_global_scale():
+    plain = _first_fit("global")
+    bounded = _first_fit("boundaries")
+    assert bounded["boundaries"] == 100
+    assert bounded["loss"] == pytest.approx(plain["loss"], rel=1e-3)  # both trained alike
+    assert bounded["cpu_s"] <= MAX_CPU_RATIO * plain["cpu_s"], (bounded, plain)
+    assert bounded["peak_mb"] <= MAX_PEAK_RATIO * plain["peak_mb"], (bounded, plain)
