@@ -15,22 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tfdls
+from tests.support.replicas import copies as _local, the_value as _the_value
 from tfdls import _distribute
 
 SCALE = 2.0**12
-
-
-def _local(strategy, variable):
-    if isinstance(variable, keras.Variable):
-        variable = variable.value
-    return [np.array(v.numpy()) for v in strategy.experimental_local_results(variable)]
-
-
-def _the_value(strategy, variable):
-    """The variable's value, asserting both replicas hold the same bits."""
-    first, second = _local(strategy, variable)
-    np.testing.assert_array_equal(first, second, err_msg=str(variable.name))
-    return first
 
 
 def _float16_sum_reference(per_replica, scale, dtype):
@@ -446,31 +434,6 @@ def test_scale_boundaries_divide_the_sums(mirrored_strategy, first, second, appl
         assert "d1/kernel" in " ".join(opt.last_overflow().variable_names)
 
 
-@pytest.mark.slow
-def test_fit_under_mirrored_strategy_on_the_float16_path(mirrored_strategy):
-    strategy = mirrored_strategy
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(256, 8)).astype("float32")
-    y = ((x @ rng.normal(size=(8,)).astype("float32")) > 0).astype("float32")[:, None]
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((8,)),
-            keras.layers.Dense(16, activation="tanh"),
-            keras.layers.Dense(1, activation="sigmoid", dtype="float32"),
-        ])
-        opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam(1e-2), initial_scale=2.0**30,
-                                       dynamic_growth_steps=5, all_reduce_dtype="float16")
-        model.compile(optimizer=opt, loss="binary_crossentropy", jit_compile=False)
-    history = model.fit(x, y, batch_size=32, epochs=5, shuffle=False, verbose=0)
-    assert opt.step_plan.all_reduce == "float16"
-    assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
-    skipped = int(opt.loss_scale.num_skipped_steps.numpy())
-    assert skipped > 0  # 2**30 overflows: the scale came down to where the sums fit
-    assert int(opt.iterations.numpy()) == 5 * 8 - skipped
-    for v in model.weights + opt.inner_optimizer.variables:
-        _the_value(strategy, v)
 
 
 def test_gradients_of_several_dtypes_cross_in_one_collective_per_dtype(mirrored_strategy):

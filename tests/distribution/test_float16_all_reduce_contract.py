@@ -15,20 +15,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import tfdls
+from tests.support.replicas import the_value as _the_value
 
 F16_MAX = 65504.0
-
-
-def _local(strategy, variable):
-    if isinstance(variable, keras.Variable):
-        variable = variable.value
-    return [np.array(v.numpy()) for v in strategy.experimental_local_results(variable)]
-
-
-def _the_value(strategy, variable):
-    first, second = _local(strategy, variable)
-    np.testing.assert_array_equal(first, second, err_msg=f"replicas diverge: {variable.name}")
-    return first
 
 
 def _wire_sum(per_replica):

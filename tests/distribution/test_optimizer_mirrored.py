@@ -10,14 +10,9 @@ import pytest
 import tensorflow as tf
 
 import tfdls
+from tests.support.replicas import copies as _local
 
 NAN = float("nan")
-
-
-def _local(strategy, variable):
-    if isinstance(variable, keras.Variable):
-        variable = variable.value
-    return [np.array(v.numpy()) for v in strategy.experimental_local_results(variable)]
 
 
 def _assert_replicas_identical(strategy, variables):
@@ -42,7 +37,8 @@ def test_strategy_has_two_replicas(mirrored_strategy):
 
 
 @pytest.mark.slow
-def test_fit_under_mirrored_strategy(mirrored_strategy):
+@pytest.mark.parametrize("all_reduce_dtype", [None, "float16"])
+def test_fit_under_mirrored_strategy(mirrored_strategy, all_reduce_dtype):
     strategy = mirrored_strategy
     keras.mixed_precision.set_global_policy("mixed_float16")
     rng = np.random.default_rng(0)
@@ -57,7 +53,8 @@ def test_fit_under_mirrored_strategy(mirrored_strategy):
             keras.layers.Dense(1, activation="sigmoid", dtype="float32"),
         ])
         opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam(1e-2), initial_scale=2.0**30,
-                                       dynamic_growth_steps=5)
+                                       dynamic_growth_steps=5,
+                                       all_reduce_dtype=all_reduce_dtype)
         model.compile(optimizer=opt, loss="binary_crossentropy", jit_compile=False)
     assert model.optimizer is opt
     assert isinstance(opt.loss_scale.current_loss_scale, tf.distribute.DistributedValues)
@@ -68,6 +65,7 @@ def test_fit_under_mirrored_strategy(mirrored_strategy):
 
     initial = bce()
     model.fit(x, y, batch_size=32, epochs=5, shuffle=False, verbose=0)
+    assert opt.step_plan.all_reduce == (all_reduce_dtype or "keras")
     final = bce()
     assert final < 0.5 * initial, (initial, final)
     skipped = int(opt.loss_scale.num_skipped_steps.numpy())
