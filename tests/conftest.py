@@ -41,7 +41,7 @@ def plan_as_on_an_accelerator(monkeypatch):
     the compiled masked step use small models, so they ask for this."""
     from tfdls import _plan
 
-    monkeypatch.setattr(_plan, "_accelerator_visible", lambda: True)
+    monkeypatch.setattr(_plan, "accelerator_visible", lambda: True)
 
 
 @pytest.fixture(autouse=True)

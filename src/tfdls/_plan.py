@@ -17,6 +17,7 @@ import dataclasses
 import tensorflow as tf
 
 from tfdls import _compat, _distribute, _division, _masked_update
+from tfdls.finite import accelerator_visible
 from tfdls.loss_scale import DynamicLossScale
 
 
@@ -185,7 +186,7 @@ def plan_step(
         compile_apply = skip == Skip.MASKED
         if not compile_apply:
             reasons.append("jit_compile='auto' compiles only a masked (branch-free) update")
-        elif not _accelerator_visible():
+        elif not accelerator_visible():
             elements = _gradient_elements(grads, trainable_variables)
             if elements < AUTO_COMPILE_MIN_ELEMENTS:
                 compile_apply, skip = False, Skip.COND
@@ -216,10 +217,6 @@ def plan_step(
 # step 1 to 3 s more; above it the compiled step pulls ahead (Adam: 0.43x
 # Keras 3's step against 0.76x at 524,288 elements).
 AUTO_COMPILE_MIN_ELEMENTS = 2**18
-
-
-def _accelerator_visible():
-    return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
 
 
 def _gradient_elements(grads, trainable_variables):

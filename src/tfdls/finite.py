@@ -72,9 +72,14 @@ def _check_floating(values):
 FPMATH_VARIABLES = ("ONEDNN_DEFAULT_FPMATH_MODE", "TF_SET_ONEDNN_FPMATH_MODE")
 
 
+def accelerator_visible() -> bool:
+    """True where TensorFlow sees a GPU or TPU."""
+    return bool(tf.config.list_physical_devices("GPU") or tf.config.list_physical_devices("TPU"))
+
+
 def host_only() -> bool:
     """True when no accelerator can run the check and float32 matmuls are strict IEEE."""
-    if tf.config.list_physical_devices("GPU") or tf.config.list_physical_devices("TPU"):
+    if accelerator_visible():
         return False
     return all(
         os.environ.get(name, "").strip().upper() in ("", "STRICT") for name in FPMATH_VARIABLES

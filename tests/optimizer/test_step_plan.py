@@ -110,7 +110,7 @@ def test_auto_on_the_cpu_compiles_only_applies_of_the_threshold_size_or_more(inn
     compiled. Counted over the variables that get a gradient."""
     from tfdls import _plan
 
-    assert not _plan._accelerator_visible()  # the CI machine has none
+    assert not _plan.accelerator_visible()  # the CI machine has none
     threshold = _plan.AUTO_COMPILE_MIN_ELEMENTS
     make = {"adam": keras.optimizers.Adam, "sgd": keras.optimizers.SGD}[inner]
     for extra, skip, compiled in ((-1, "cond", False), (0, "masked", True)):

@@ -95,7 +95,7 @@ def test_a_quick_run_of_the_smallest_case_runs_and_renders(family, tmp_path, cap
         # (tfdls._plan.AUTO_COMPILE_MIN_ELEMENTS); with one, the compiled masked step.
         from tfdls import _plan
 
-        expected = "masked" if _plan._accelerator_visible() else "cond"
+        expected = "masked" if _plan.accelerator_visible() else "cond"
         assert variants["tfdls"]["step_plan"]["skip"] == expected
         assert "first step tfdls/Keras 3" in table
 
