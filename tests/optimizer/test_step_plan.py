@@ -4,7 +4,7 @@ where the rules say (`tfdls.StepPlan`, `tfdls._plan.plan_step`).
 * ``jit_compile="auto"`` runs a graph-mode apply as its own XLA cluster only
   for a dynamic scale, a branch-free (masked) skip, no strategy and no op
   determinism, and, without a GPU or TPU, only for an apply of at least
-  `AUTO_COMPILE_MIN_ELEMENTS` gradient elements (a smaller one takes a cond,
+  `AUTO_COMPILE_MIN_ELEMENTS` dense gradient elements (a smaller one takes a cond,
   uncompiled); it changes nothing but speed.
 * the check reads the scaled gradients only while the scale cannot fall
   below 1.
@@ -124,13 +124,52 @@ def test_auto_on_the_cpu_compiles_only_applies_of_the_threshold_size_or_more(inn
         plan = opt.step_plan
         assert (plan.skip, plan.compile) == (skip, compiled), plan.reason
         if not compiled:
-            assert f"at least {threshold:,} gradient elements (this one has " \
-                   f"{threshold - 1:,})" in plan.reason
+            assert f"at least {threshold:,} dense gradient elements (this one has " \
+                   f"{threshold - 1:,};" in plan.reason
     # jit_compile=False keeps the masked step: only "auto" follows the size.
     variables = _variables()
     off = tfdls.LossScaleOptimizer(make(1e-2), jit_compile=False)
     off.build(variables)
     assert (_plan_of(off, variables).skip, off.step_plan.compile) == ("masked", False)
+
+
+def test_auto_on_the_cpu_does_not_count_sparse_gradients():
+    """An Embedding table's tf.IndexedSlices gradient does not count toward the size:
+    a table over the threshold with small dense gradients takes the cond, uncompiled;
+    the same table's gradient given dense compiles. Both steps are exact."""
+    from tfdls import _plan
+
+    threshold = _plan.AUTO_COMPILE_MIN_ELEMENTS
+    rows = threshold // 64 + 1  # the table alone is over the threshold
+    ids = tf.constant([3, 3, 7])
+    values = tf.constant(np.arange(3 * 64, dtype=np.float32).reshape(3, 64) / 64.0)
+    small = [tf.constant([1.0, -2.0, 4.0])]
+    for sparse, skip, compiled in ((True, "cond", False), (False, "masked", True)):
+        table, bias = keras.Variable(tf.zeros([rows, 64])), keras.Variable(tf.zeros([3]))
+        bare_table, bare_bias = keras.Variable(tf.zeros([rows, 64])), keras.Variable(
+            tf.zeros([3]))
+        opt = tfdls.LossScaleOptimizer(keras.optimizers.Adam(1e-2),
+                                       tfdls.DynamicLossScale(2.0**3, increment_period=1000))
+        bare = keras.optimizers.Adam(1e-2)
+
+        def grads(scale):
+            g = tf.IndexedSlices(values * scale, ids, tf.constant([rows, 64]))
+            return [g if sparse else tf.convert_to_tensor(g), small[0] * scale]
+
+        step = tf.function(lambda: opt.apply(grads(2.0**3), [table, bias]))
+        step()
+        tf.function(lambda: bare.apply(grads(1.0), [bare_table, bare_bias]))()
+        plan = opt.step_plan
+        assert (plan.skip, plan.compile) == (skip, compiled), plan.reason
+        if sparse:
+            assert "sparse gradients do not count" in plan.reason
+            assert "(this one has 3;" in plan.reason
+            # Uncompiled: bit-identical to the bare optimizer's step.
+            np.testing.assert_array_equal(table.numpy(), bare_table.numpy())
+            np.testing.assert_array_equal(bias.numpy(), bare_bias.numpy())
+        else:
+            np.testing.assert_allclose(table.numpy(), bare_table.numpy(), rtol=1e-6, atol=1e-7)
+        assert np.any(table.numpy() != 0)
 
 
 def test_a_small_cpu_step_with_a_cond_is_exact_and_skips_bit_identically():
