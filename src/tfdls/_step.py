@@ -47,7 +47,7 @@ def run(opt, plan, grads, variables):
         grads, division = _sum_in_float16(grads, present, plan, division)
     boundary = None
     if opt._boundary_scales is not None:
-        boundary = opt._boundary_scales.begin_step(division, positions, opt.iterations)
+        boundary = opt._boundary_scales.begin_step(division, positions, opt.iterations, grads)
 
     unscaled = [None] * len(grads)
     for i in present:

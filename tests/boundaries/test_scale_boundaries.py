@@ -1165,6 +1165,58 @@ def test_division_by_a_power_of_two_is_correctly_rounded_in_every_mode(hypothesi
     check()
 
 
+def test_clipped_exponents_divide_bit_identically_to_the_full_chain(hypothesis):
+    """A deep chain's bound (128 + 15 x boundaries) is clipped to +-278 for float32,
+    float16 and bfloat16 gradients (3 multiplies instead of ceil(bound / 126)): inside
+    XLA, every quotient equals the unclipped pieces' one bit for bit, for values from
+    the smallest subnormal to the largest finite, zeros, Inf and NaN, exponents to
+    +-1628 (100 boundaries). float64 keeps its bound. (CPUs flush subnormal results,
+    so here a clip from 254 on would pass too; 278 is the bound where subnormals are
+    kept, as XLA keeps them on GPUs. 250 fails.)"""
+    from hypothesis import given, settings, strategies as st
+
+    from tfdls import _division
+
+    bound = 128 + 15 * 100
+    assert len(_division.reciprocal_pieces_for(tf.float32, tf.constant(5), bound)) == 3
+    assert len(_division.reciprocal_pieces_for(tf.float16, tf.constant(5), bound)) == 3
+    assert len(_division.reciprocal_pieces_for(tf.float64, tf.constant(5), bound)) == 13
+    assert len(_division.reciprocal_pieces_for(tf.float32, tf.constant(5), 200)) == 2
+
+    def divide(values, exponents, clipped):
+        pieces = (_division.reciprocal_pieces_for(values.dtype, exponents, bound) if clipped
+                  else _division.reciprocal_pieces(exponents, bound))
+        return _division.multiply_by_pieces(values, pieces)
+
+    compiled = tf.function(divide, jit_compile=True)
+    extremes = {}
+    for name in ("float32", "float16", "bfloat16"):
+        info = tf.experimental.numpy.finfo(name)
+        tiny = float(info.tiny)
+        extremes[name] = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), tiny,
+                          -tiny, float(info.max), -float(info.max), 1.0, -3.0,
+                          float(info.smallest_subnormal) if hasattr(info, "smallest_subnormal")
+                          else tiny / 2]
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.sampled_from(sorted(extremes)),
+           st.lists(st.one_of(st.integers(-bound, bound), st.integers(-300, 300),
+                              st.sampled_from([-279, -278, -277, 277, 278, 279])),
+                    min_size=1, max_size=8),
+           st.lists(st.floats(width=32, allow_nan=False), max_size=4))
+    def check(dtype, exponents, drawn):
+        values = tf.constant(extremes[dtype] + drawn, tf.float32)
+        values = tf.cast(values, dtype)
+        for e in exponents:
+            e = tf.fill(values.shape, e)
+            got = compiled(values, e, True).numpy().astype(np.float64)
+            want = compiled(values, e, False).numpy().astype(np.float64)
+            np.testing.assert_array_equal(got, want, err_msg=f"{dtype} / 2**{e[0]}")
+            np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+    check()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_division_beyond_float64_exponents_gives_zero_or_inf(dtype):
     """Past 2**+-1022 (a chain of 60 or more boundaries) the float64 multiply's

@@ -250,15 +250,17 @@ class BoundaryScales(tf.Module):
         bound = max(abs(layers.MIN_LOG2_FACTOR), layers.MAX_LOG2_FACTOR)
         return 128 + bound * depth
 
-    def divisors(self, divisor, already_unscaled, positions, totals=None):
+    def divisors(self, divisor, already_unscaled, positions, totals=None, dtypes=()):
         """Per position: None (no boundary above it), or ``(exponent, pieces)`` to divide its
-        gradient by with `_division.divide_by_power_of_two`; and the same per segment below
-        a boundary as vectors ``(exponents, pieces)`` (None without such segments).
+        gradient by with `divide`; and the same per segment below a boundary as vectors
+        ``(exponents, pieces)`` (None without such segments).
 
         The divisor of a variable below boundaries is ``2**(log2(divisor) + T)``,
         T the sum of the exponents of the boundaries above it; 1 where the
-        gradients are already unscaled. Computed once per segment, as vectors;
-        `pieces` (`_division.reciprocal_pieces`) only inside XLA.
+        gradients are already unscaled. Computed once per segment, as vectors.
+        `pieces` (only inside XLA, else None) maps an exponent bound
+        (`_division.exponent_bound` of each of `dtypes`, the gradients' dtypes)
+        to the `_division.reciprocal_pieces_for` that bound.
         """
         if totals is None:
             totals = self.totals(self.recorded_exponents())
@@ -267,13 +269,19 @@ class BoundaryScales(tf.Module):
             return [None] * len(positions), None
         exponents = _division.exponent_of(divisor) + tf.cast(totals[1:], tf.int32)
         exponents = tf.where(already_unscaled, tf.zeros_like(exponents), exponents)
-        by_segment = [(e, None) for e in tf.unstack(exponents, segments)]
+        by_segment = [(e, {}) for e in tf.unstack(exponents, segments)]
         pieces = None
         if _compat.in_xla_context():
-            pieces = _division.reciprocal_pieces(exponents, self.max_exponent)
-            # [pieces, segments] -> per segment, its pieces.
-            per_segment = tf.unstack(tf.stack(pieces, axis=1), segments)
-            by_segment = [(e, tf.unstack(p)) for (e, _), p in zip(by_segment, per_segment)]
+            pieces = {}
+            for dtype in dtypes:
+                bound = _division.exponent_bound(dtype, self.max_exponent)
+                if bound not in pieces:
+                    pieces[bound] = _division.reciprocal_pieces_for(
+                        dtype, exponents, self.max_exponent)
+                    # [pieces, segments] -> per segment, its pieces.
+                    per_segment = tf.unstack(tf.stack(pieces[bound], axis=1), segments)
+                    for (_, by_bound), p in zip(by_segment, per_segment):
+                        by_bound[bound] = tf.unstack(p)
         per_position = [None if self.segment_of[p] == 0 else by_segment[self.segment_of[p] - 1]
                         for p in positions]
         return per_position, (exponents, pieces)
@@ -283,6 +291,9 @@ class BoundaryScales(tf.Module):
         that depends on it (a joint clip by global norm) carries no factor of these
         boundaries."""
         exponent, pieces = divisor
+        values = grad.values if isinstance(grad, tf.IndexedSlices) else tf.convert_to_tensor(grad)
+        # Pieces for this dtype's bound, if `divisors` made them; else made here.
+        pieces = pieces.get(_division.exponent_bound(values.dtype, self.max_exponent))
         divided = _division.divide_by_power_of_two(grad, exponent, self.max_exponent, pieces)
         for tensor in registry.tensors_of(divided):
             registry.seen.add(tensor, self.boundaries, divides=True)
@@ -290,7 +301,8 @@ class BoundaryScales(tf.Module):
 
     def unscale(self, grads, positions, scale, how):
         """`get_unscaled_gradients`: each gradient divided by the scale times its factors."""
-        divisors, _ = self.divisors(scale, tf.constant(False), positions)
+        divisors, _ = self.divisors(scale, tf.constant(False), positions,
+                                    dtypes=_dtypes_of(grads))
         return [None if g is None
                 else _division.divide(g, scale, how) if d is None
                 else self.divide(g, d)
@@ -308,10 +320,10 @@ class BoundaryScales(tf.Module):
                 "layer above every boundary, or move the boundary below this layer."
             )
 
-    def begin_step(self, division, positions, iterations):
-        """This step's part of the boundaries (`BoundaryStep`), for the gradients of the
-        variables at `positions`."""
-        return BoundaryStep(self, division, positions, iterations)
+    def begin_step(self, division, positions, iterations, grads):
+        """This step's part of the boundaries (`BoundaryStep`), for `grads`, the gradients
+        of the variables at `positions`."""
+        return BoundaryStep(self, division, positions, iterations, _dtypes_of(grads))
 
 
 class BoundaryStep:
@@ -324,14 +336,14 @@ class BoundaryStep:
     magnitude), the adaptation, and the factors for gradient statistics.
     """
 
-    def __init__(self, scales, division, positions, iterations):
+    def __init__(self, scales, division, positions, iterations, dtypes):
         self.scales = scales
         self.division = division
         self.iterations = iterations
         self.exponents = scales.exponents()
         self.totals = scales.totals(scales.recorded_exponents())
         self.per_position, self.segment_divisors = scales.divisors(
-            division.divisor, division.already_unscaled, positions, self.totals)
+            division.divisor, division.already_unscaled, positions, self.totals, dtypes)
         self.segments = [scales.segment_of[p] for p in positions]
 
     def divisor_of(self, i):
@@ -376,7 +388,7 @@ class BoundaryStep:
             else:
                 quotient = _division.divide_by_power_of_two(
                     stacked, *self._gather_divisors([self.segments[present[k]] - 1
-                                                     for k in members]))
+                                                     for k in members], stacked.dtype))
             bad.append(tf.logical_not(tf.math.is_finite(quotient)))
             magnitudes.append(tf.cast(stacked, tf.float32))
             order += members
@@ -387,11 +399,12 @@ class BoundaryStep:
         counts = _distribute.sum_over_replicas(tf.cast(bad, tf.float32))
         return counts, _distribute.max_over_replicas(magnitudes)
 
-    def _gather_divisors(self, indices):
+    def _gather_divisors(self, indices, dtype):
         """``(exponent, max_exponent, pieces)`` of segments `indices` (1 below boundary 0),
-        as vectors: elementwise what each gradient of those segments is divided by."""
+        as vectors: elementwise what each `dtype` gradient of those segments is divided by."""
         exponents, pieces = self.segment_divisors
         indices = tf.constant(indices, tf.int32)
+        pieces = (pieces or {}).get(_division.exponent_bound(dtype, self.scales.max_exponent))
         return (tf.gather(exponents, indices), self.scales.max_exponent,
                 None if pieces is None else [tf.gather(p, indices) for p in pieces])
 
@@ -407,3 +420,14 @@ class BoundaryStep:
             self.division.already_unscaled, scale_bits + self.totals, 0.0)
         return scales.update(self.exponents, self.totals, is_finite, bad, largest_exponents,
                              self.iterations)
+
+
+def _dtypes_of(grads):
+    """The distinct dtypes of `grads` (None entries left out), in order."""
+    dtypes = []
+    for g in grads:
+        if g is not None:
+            dtype = (g.values if isinstance(g, tf.IndexedSlices) else g).dtype
+            if dtype not in dtypes:
+                dtypes.append(dtype)
+    return dtypes
