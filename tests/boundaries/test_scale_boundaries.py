@@ -1189,14 +1189,17 @@ def test_clipped_exponents_divide_bit_identically_to_the_full_chain(hypothesis):
         return _division.multiply_by_pieces(values, pieces)
 
     compiled = tf.function(divide, jit_compile=True)
-    extremes = {}
-    for name in ("float32", "float16", "bfloat16"):
-        info = tf.experimental.numpy.finfo(name)
-        tiny = float(info.tiny)
-        extremes[name] = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), tiny,
-                          -tiny, float(info.max), -float(info.max), 1.0, -3.0,
-                          float(info.smallest_subnormal) if hasattr(info, "smallest_subnormal")
-                          else tiny / 2]
+    # Per dtype: (smallest normal, largest finite, smallest subnormal), from IEEE 754's
+    # layouts (8, 5 and 8 exponent bits; 23, 10 and 7 fraction bits).
+    limits = {"float32": (2.0**-126, (2 - 2.0**-23) * 2.0**127, 2.0**-149),
+              "float16": (2.0**-14, 65504.0, 2.0**-24),
+              "bfloat16": (2.0**-126, (2 - 2.0**-7) * 2.0**127, 2.0**-133)}
+    extremes = {name: [0.0, -0.0, float("inf"), -float("inf"), float("nan"), tiny, -tiny,
+                       largest, -largest, 1.0, -3.0, subnormal, -subnormal]
+                for name, (tiny, largest, subnormal) in limits.items()}
+    for name, (tiny, largest, subnormal) in limits.items():  # the layouts are the dtypes'
+        assert tf.cast(tf.constant(largest, tf.float64), name).numpy() == largest
+        assert tf.cast(tf.constant(largest * 2, tf.float64), name).numpy() == np.inf
 
     @settings(max_examples=60, deadline=None)
     @given(st.sampled_from(sorted(extremes)),
