@@ -423,11 +423,14 @@ class BoundaryStep:
 
 
 def _dtypes_of(grads):
-    """The distinct dtypes of `grads` (None entries left out), in order."""
+    """The distinct dtypes of `grads` (None entries left out), in order, as the division
+    will see them (a Python list or number converted as `tf.convert_to_tensor` does)."""
     dtypes = []
     for g in grads:
         if g is not None:
-            dtype = (g.values if isinstance(g, tf.IndexedSlices) else g).dtype
+            values = g.values if isinstance(g, tf.IndexedSlices) else g
+            dtype = values.dtype if hasattr(values, "dtype") else tf.convert_to_tensor(
+                values).dtype
             if dtype not in dtypes:
                 dtypes.append(dtype)
     return dtypes
