@@ -462,6 +462,12 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
             raise ValueError(
                 f"No gradients provided for any variable: all {len(grads)} gradients are None."
             )
+        # A gradient given as a Python list or number is one tensor in its variable's
+        # dtype, as Keras takes it (not a nest of scalar gradients).
+        grads = [tf.convert_to_tensor(g, dtype=v.dtype)
+                 if g is not None and not isinstance(g, tf.IndexedSlices)
+                 and not hasattr(g, "dtype") else g
+                 for g, v in zip(grads, trainable_variables)]
         if grads and not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)

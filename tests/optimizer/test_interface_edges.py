@@ -98,3 +98,18 @@ def test_an_unbuilt_optimizer_checkpoints_the_same_objects_with_boundaries(tmp_p
                                                scale_boundaries=_model())
     assert (_checkpoint_keys(plain, tmp_path, "plain")
             == _checkpoint_keys(with_boundaries, tmp_path, "boundaries"))
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_gradients_given_as_python_lists_are_one_tensor_each_as_keras_takes_them(mode):
+    """A list gradient is one gradient in its variable's dtype, not a nest of scalars
+    (that failed with a shape mismatch in the overflow mask); the step equals bare SGD's."""
+    v, bare_v = keras.Variable([1.0, -1.0]), keras.Variable([1.0, -1.0])
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.5),
+                                   tfdls.DynamicLossScale(2.0**3, increment_period=1000))
+    bare = keras.optimizers.SGD(0.5)
+    step = lambda: opt.apply([[2.0**3, 3 * 2.0**3]], [v])  # noqa: E731
+    (tf.function(step) if mode == "graph" else step)()
+    bare.apply([[1.0, 3.0]], [bare_v])
+    np.testing.assert_array_equal(v.numpy(), bare_v.numpy())
+    np.testing.assert_array_equal(v.numpy(), [0.5, -2.5])
