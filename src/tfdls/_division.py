@@ -116,6 +116,14 @@ def exponent_of(power):
     return tf.bitwise.right_shift(bits, 23) - 127
 
 
+def dtype_of(grad):
+    """The dtype `grad` is divided in: its values' for a `tf.IndexedSlices`, and a Python
+    list or number's as `tf.convert_to_tensor` gives it."""
+    values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+    return tf.as_dtype(values.dtype) if hasattr(values, "dtype") else tf.convert_to_tensor(
+        values).dtype
+
+
 def exponent_bound(dtype, max_exponent: int) -> int:
     """The static bound of |exponent| that dividing a `dtype` value by ``2**exponent`` needs,
     for exponents bounded by `max_exponent`: `FLOAT32_CLIPPED_EXPONENT` at most, except
@@ -225,8 +233,7 @@ def divide_by_power_of_two(grad, exponent, max_exponent: int, pieces=None):
     if not _compat.in_xla_context():
         return divide_in_float64_by_power_of_two(grad, exponent)
     if pieces is None:
-        values = grad.values if isinstance(grad, tf.IndexedSlices) else tf.convert_to_tensor(grad)
-        pieces = reciprocal_pieces_for(values.dtype, exponent, max_exponent)
+        pieces = reciprocal_pieces_for(dtype_of(grad), exponent, max_exponent)
     return multiply_by_pieces(grad, pieces)
 
 

@@ -291,9 +291,9 @@ class BoundaryScales(tf.Module):
         that depends on it (a joint clip by global norm) carries no factor of these
         boundaries."""
         exponent, pieces = divisor
-        values = grad.values if isinstance(grad, tf.IndexedSlices) else tf.convert_to_tensor(grad)
         # Pieces for this dtype's bound, if `divisors` made them; else made here.
-        pieces = pieces.get(_division.exponent_bound(values.dtype, self.max_exponent))
+        bound = _division.exponent_bound(_division.dtype_of(grad), self.max_exponent)
+        pieces = pieces.get(bound)
         divided = _division.divide_by_power_of_two(grad, exponent, self.max_exponent, pieces)
         for tensor in registry.tensors_of(divided):
             registry.seen.add(tensor, self.boundaries, divides=True)
@@ -423,14 +423,9 @@ class BoundaryStep:
 
 
 def _dtypes_of(grads):
-    """The distinct dtypes of `grads` (None entries left out), in order, as the division
-    will see them (a Python list or number converted as `tf.convert_to_tensor` does)."""
+    """The distinct dtypes `grads` are divided in (None entries left out), in order."""
     dtypes = []
-    for g in grads:
-        if g is not None:
-            values = g.values if isinstance(g, tf.IndexedSlices) else g
-            dtype = values.dtype if hasattr(values, "dtype") else tf.convert_to_tensor(
-                values).dtype
-            if dtype not in dtypes:
-                dtypes.append(dtype)
+    for dtype in (_division.dtype_of(g) for g in grads if g is not None):
+        if dtype not in dtypes:
+            dtypes.append(dtype)
     return dtypes
