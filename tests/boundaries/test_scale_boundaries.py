@@ -581,9 +581,16 @@ def hypothesis():
     return pytest.importorskip("hypothesis")
 
 
-@pytest.mark.parametrize("mode", ["eager", "xla"])
-def test_adaptation_matches_the_written_algorithm(hypothesis, mode):
+@pytest.mark.parametrize("mode,levels", [("eager", "unrolled"), ("xla", "unrolled"),
+                                         ("eager", "loop"), ("graph", "loop"),
+                                         ("xla", "loop")])
+def test_adaptation_matches_the_written_algorithm(hypothesis, mode, levels, monkeypatch):
+    """Drawn trees of up to 8 boundaries against the reference, with their nesting levels
+    unrolled (as up to `UNROLLED_LEVELS`) and in a tf.while_loop (as deeper chains)."""
     from hypothesis import given, settings, strategies as st
+
+    if levels == "loop":
+        monkeypatch.setattr(_boundary_scales, "UNROLLED_LEVELS", 0)
 
     @settings(max_examples=60 if mode == "eager" else 20, deadline=None)
     @given(st.data())
@@ -625,8 +632,8 @@ def test_adaptation_matches_the_written_algorithm(hypothesis, mode):
                 tf.constant(bad), tf.constant(seg_exp, tf.float32), tf.constant(3, tf.int64),
             )
 
-        if mode == "xla":
-            update = tf.function(update, jit_compile=True)
+        if mode != "eager":
+            update = tf.function(update, jit_compile=mode == "xla")
         global_shrinks = update()
         want, want_global = reference_update(exponents, parents, mins, maxs, margins, bad,
                                              seg_exp, is_finite, due)
@@ -638,14 +645,16 @@ def test_adaptation_matches_the_written_algorithm(hypothesis, mode):
 
 
 
-def test_deeply_nested_boundaries_compile_in_linear_time():
+@pytest.mark.parametrize("count", [12, 32])
+def test_deeply_nested_boundaries_compile_in_linear_time(count):
     """32 nested boundaries (a chain, as `add_scale_boundaries(every=1)` places them)
     adapt exactly under XLA, and compile in seconds: the levels of the placement
     once fused into one XLA loop whose code doubled with each level (20 nested
-    boundaries took minutes and gigabytes, 24 ran out of memory)."""
+    boundaries took minutes and gigabytes, 24 ran out of memory). 12 levels are
+    unrolled, 32 placed in a tf.while_loop (`UNROLLED_LEVELS`)."""
     import time
 
-    count = 32
+    assert 12 <= _boundary_scales.UNROLLED_LEVELS < 32
     parents = list(range(-1, count - 1))
     mins, maxs = [-2] * count, [6] * count
     exponents = [(3 * k) % 9 - 2 for k in range(count)]
