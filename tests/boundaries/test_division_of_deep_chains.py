@@ -119,18 +119,15 @@ def _mixed_model(n64, n32, f64, f32, boundaries=True):
     layers = [keras.Input((4,), dtype="float64")]
     if boundaries:
         layers.append(tfdls.UnscaledInput())
-    for i in range(n64):
-        layers.append(keras.layers.Dense(4, activation="tanh", kernel_initializer=init,
-                                         dtype="float64", name=f"f64_{i}"))
-        if boundaries:
-            layers.append(tfdls.ScaleBoundary(initial_log2_factor=f64, min_log2_factor=f64,
-                                              max_log2_factor=f64))
-    for i in range(n32):
-        layers.append(keras.layers.Dense(4, activation="tanh", kernel_initializer=init,
-                                         dtype="float32", name=f"f32_{i}"))
-        if boundaries:
-            layers.append(tfdls.ScaleBoundary(initial_log2_factor=f32, min_log2_factor=f32,
-                                              max_log2_factor=f32))
+    # n64 float64 layers, then n32 float32 ones, each below a boundary pinned at its factor.
+    for count, dtype, factor in ((n64, "float64", f64), (n32, "float32", f32)):
+        for i in range(count):
+            layers.append(keras.layers.Dense(4, activation="tanh", kernel_initializer=init,
+                                             dtype=dtype, name=f"f{dtype[-2:]}_{i}"))
+            if boundaries:
+                layers.append(tfdls.ScaleBoundary(initial_log2_factor=factor,
+                                                  min_log2_factor=factor,
+                                                  max_log2_factor=factor))
     layers.append(keras.layers.Dense(1, kernel_initializer=init, dtype="float32", name="out"))
     return keras.Sequential(layers)
 
