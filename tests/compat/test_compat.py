@@ -3,6 +3,7 @@
 import re
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -82,6 +83,25 @@ def test_private_names_resolve_to_working_functions():
     for name in _compat.OPTIMIZER_METHODS:
         assert callable(getattr(keras.optimizers.Optimizer, name))
     _compat.check_optimizer_instance(keras.optimizers.SGD())
+
+
+def test_computed_once_is_a_barrier_inside_xla_and_nothing_outside():
+    values = (tf.constant([1.5, -2.0]), tf.constant(3, tf.int32))
+    assert _compat.computed_once(*values) == values  # eager: the same objects
+
+    def ops_of(jit_compile):
+        def fn(x, k):
+            a, b = _compat.computed_once(x * 2.0, k + 1)
+            return a + 1.0, b
+
+        concrete = tf.function(fn, jit_compile=jit_compile).get_concrete_function(*values)
+        out = concrete(*values)
+        np.testing.assert_array_equal(out[0].numpy(), [4.0, -3.0])
+        assert int(out[1]) == 4
+        return [op.type for op in concrete.graph.get_operations()]
+
+    assert "XlaOptimizationBarrier" in ops_of(True)
+    assert "XlaOptimizationBarrier" not in ops_of(False)
 
 
 def test_a_missing_private_name_is_a_clear_import_error():

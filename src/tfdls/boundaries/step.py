@@ -288,6 +288,8 @@ class BoundaryScales(tf.Module):
             return [None] * len(positions), None
         exponents = _division.exponent_of(divisor) + tf.cast(totals[1:], tf.int32)
         exponents = tf.where(already_unscaled, tf.zeros_like(exponents), exponents)
+        # Computed once: every gradient's division reads a segment of these.
+        exponents, = _compat.computed_once(exponents)
         by_segment = [(e, {}) for e in tf.unstack(exponents, segments)]
         pieces = None
         if _compat.in_xla_context():
@@ -295,10 +297,11 @@ class BoundaryScales(tf.Module):
             for dtype in dtypes:
                 bound = _division.exponent_bound(dtype, self.max_exponent)
                 if bound not in pieces:
-                    pieces[bound] = _division.reciprocal_pieces_for(
-                        dtype, exponents, self.max_exponent)
-                    # [pieces, segments] -> per segment, its pieces.
-                    per_segment = tf.unstack(tf.stack(pieces[bound], axis=1), segments)
+                    # [segments, pieces], computed once (`_compat.computed_once`).
+                    stacked, = _compat.computed_once(tf.stack(_division.reciprocal_pieces_for(
+                        dtype, exponents, self.max_exponent), axis=1))
+                    pieces[bound] = tf.unstack(stacked, axis=1)
+                    per_segment = tf.unstack(stacked, segments)
                     for (_, by_bound), p in zip(by_segment, per_segment):
                         by_bound[bound] = tf.unstack(p)
         per_position = [None if self.segment_of[p] == 0 else by_segment[self.segment_of[p] - 1]
