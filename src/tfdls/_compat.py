@@ -177,7 +177,12 @@ def _lookup():
         raise _missing("tf.__internal__.distribute.strategy_supports_no_merge_call")
     summary_pb2 = _require("tensorflow.core.framework.summary_pb2")
     record = _require("tensorflow.python.eager.record", "could_possibly_record")
-    xla_ops = _require("tensorflow.compiler.tf2xla.ops.gen_xla_ops", "xla_optimization_barrier")
+    # Optional: without it `computed_once` changes nothing but XLA's compile time.
+    try:
+        xla_ops = _require("tensorflow.compiler.tf2xla.ops.gen_xla_ops",
+                           "xla_optimization_barrier")
+    except ImportError:  # pragma: no cover - present from TF 2.16 to 2.21 at least
+        xla_ops = None
     for name in OPTIMIZER_METHODS:
         if not callable(getattr(keras.optimizers.Optimizer, name, None)):  # pragma: no cover
             raise _missing(f"keras.optimizers.Optimizer.{name}")
@@ -233,9 +238,10 @@ def computed_once(*tensors):
     XLA duplicates cheap elementwise producers into each consumer fusion. A vector of
     per-segment divisors read by every gradient's update was recomputed, whole, in each of
     those fusions, each then a different kernel (it slices another element): at 100 scale
-    boundaries that was about 25% of the apply's compile time.
+    boundaries that was about 25% of the apply's compile time. The values are the same
+    either way, so a TensorFlow without the (private) barrier op just compiles slower.
     """
-    if not in_xla_context():
+    if _xla_ops is None or not in_xla_context():
         return tensors
     return tuple(_xla_ops.xla_optimization_barrier(list(tensors)))
 

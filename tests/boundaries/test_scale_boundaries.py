@@ -1428,3 +1428,34 @@ def test_a_batch_without_ids_is_applied(jit_compile):
     step(tf.constant([], tf.int32))
     assert int(opt.loss_scale.num_skipped_steps.numpy()) == 0
     assert int(opt.iterations.numpy()) == 2
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_indexed_slices_with_captured_eager_indices(jit_compile):
+    """A gradient built in the step from indices captured from outside it (an eager tensor,
+    with no op in the graph) is divided like one whose indices the step computed."""
+
+    def run(captured):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((2,), dtype="int32")
+        h = keras.layers.Flatten()(keras.layers.Embedding(6, 2, name="emb")(inputs))
+        h = tfdls.ScaleBoundary(initial_log2_factor=3, name="b")(h)
+        model = keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
+        opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0), scale_boundaries=model)
+        variables = model.trainable_variables
+        opt.build(variables)
+        eager_ids = tf.constant([4, 1])
+
+        @tf.function(jit_compile=jit_compile)
+        def step():
+            opt.scale_loss(tf.constant(1.0))
+            ids = eager_ids if captured else tf.constant([4, 1])
+            grads = [tf.IndexedSlices(tf.fill([2, 2], 2.0**18), ids, tf.constant([6, 2]))]
+            opt.apply(grads + [tf.ones_like(v) * 2.0**15 for v in variables[1:]], variables)
+
+        step()
+        assert int(opt.iterations.numpy()) == 1
+        return [v.numpy() for v in variables]
+
+    for got, want in zip(run(captured=True), run(captured=False)):
+        np.testing.assert_array_equal(got, want)

@@ -44,7 +44,9 @@ class SeenBoundaries:
         self._graphs = weakref.WeakKeyDictionary()
 
     def add(self, tensor, boundaries, divides=False):
-        if tf.executing_eagerly():
+        # A captured eager tensor (the indices of an IndexedSlices built from one) has
+        # no op in the graph, and nothing flows into it: nothing to record.
+        if tf.executing_eagerly() or _compat.is_eager_tensor(tensor):
             return
         graph = tf.compat.v1.get_default_graph()
         with self._lock:
