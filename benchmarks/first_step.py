@@ -55,7 +55,9 @@ def run_case(case_name, variants, repeats):
     for _ in range(repeats):
         for variant in variants:
             out = subprocess.run([sys.executable, __file__, "--case", case_name, "--variant",
-                                  variant], capture_output=True, text=True, check=True)
+                                  variant], capture_output=True, text=True)
+            if out.returncode:
+                raise RuntimeError(f"{case_name} {variant} failed:\n{out.stderr[-4000:]}")
             times[variant].append(json.loads(out.stdout.strip().splitlines()[-1])["first_s"])
     return times
 
