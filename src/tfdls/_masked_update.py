@@ -302,9 +302,9 @@ def apply(inner_optimizer, grads, trainable_variables, should_apply):
     must skip another way.
 
     The update is traced with every variable it may write read beforehand,
-    to find (by the audit) the ones it writes directly. Inside XLA with dense
-    gradients that trace is the function that runs: XLA drops the reads no
-    restore uses. Otherwise it is traced again with only those variables
+    to find (by the audit) the ones it writes directly. Inside XLA that trace
+    is the function that runs: XLA drops the reads no restore uses (also
+    before an embedding table's scatter: `tests/optimizer/test_sparse_memory.py`). Otherwise it is traced again with only those variables
     read beforehand, which is the function that runs: outside XLA each read
     is an op per step, and a read of a variable written in place later (an
     embedding table's scatter_add) would make TensorFlow copy the whole
@@ -378,7 +378,7 @@ def apply(inner_optimizer, grads, trainable_variables, should_apply):
     update, first = trace(candidates)
     if not first["audit"].exact:
         return first["audit"]
-    if _compat.in_xla_context() and not any(isinstance(g, tf.IndexedSlices) for g in grads):
+    if _compat.in_xla_context():
         found_before[key] = first["direct"]
         update(should_apply, present_grads)
         return first["audit"]
