@@ -267,6 +267,49 @@ def test_a_retrace_starts_from_what_the_last_trace_found(monkeypatch, mode):
     assert per_trace == ([2, 1] if mode == "graph" else [1, 1])
 
 
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_a_sparse_update_inside_xla_runs_its_first_trace(monkeypatch, mode):
+    """An Embedding-like table with an IndexedSlices gradient, Adam: inside XLA the first
+    (audited) trace runs, as for dense gradients (XLA drops the unread snapshots); outside,
+    a second pass reads only the variables written directly. Either way a skipped step
+    keeps every bit and a finite one equals the bare optimizer's."""
+    traces = _count_traces(monkeypatch)
+
+    def setup():
+        table = keras.Variable(np.arange(12, dtype="float32").reshape(6, 2), name="table")
+        return [table] + _variables()
+
+    def grads(fill):
+        rows = tf.IndexedSlices(tf.fill([2, 2], fill), tf.constant([4, 1]), tf.constant([6, 2]))
+        return [rows, tf.fill([4, 3], fill), tf.ones([3]) * SCALE]
+
+    variables = setup()
+    inner = keras.optimizers.Adam(1e-2)
+    opt = tfdls.LossScaleOptimizer(inner, tfdls.DynamicLossScale(SCALE), jit_compile=False)
+    opt.build(variables)
+    step = tf.function(lambda g: opt.apply(g, variables), jit_compile=mode == "xla")
+    step(grads(SCALE))
+    assert len(traces) == (1 if mode == "xla" else 2)
+    assert opt.step_plan.skip == "masked", opt.step_plan.reason
+
+    bare_variables = setup()
+    bare = keras.optimizers.Adam(1e-2)
+    bare.build(bare_variables)
+    tf.function(lambda g: bare.apply(g, bare_variables), jit_compile=mode == "xla")(
+        [tf.IndexedSlices(tf.ones([2, 2]), tf.constant([4, 1]), tf.constant([6, 2])),
+         tf.ones([4, 3]), tf.ones([3])])
+    for got, want in zip(variables + inner.variables, bare_variables + bare.variables):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(got),
+                                      keras.ops.convert_to_numpy(want))
+
+    opt_dynamic = tfdls.LossScaleOptimizer(keras.optimizers.Adam(1e-2), jit_compile=False)
+    opt_dynamic.build(variables)
+    kept = _bits(variables + opt_dynamic.inner_optimizer.variables)
+    tf.function(lambda g: opt_dynamic.apply(g, variables), jit_compile=mode == "xla")(
+        grads(NAN))
+    assert _bits(variables + opt_dynamic.inner_optimizer.variables) == kept
+
+
 def test_a_start_that_misses_a_direct_write_fails_its_audit_and_traces_again(monkeypatch):
     """The remembered start is a guess the audit checks: one that misses the step counter
     (written directly) fails, and the update is traced from every variable again."""
