@@ -304,14 +304,15 @@ def apply(inner_optimizer, grads, trainable_variables, should_apply):
     The update is traced with every variable it may write read beforehand,
     to find (by the audit) the ones it writes directly. Inside XLA that trace
     is the function that runs: XLA drops the reads no restore uses (also
-    before an embedding table's scatter: `tests/optimizer/test_sparse_memory.py`). Otherwise it is traced again with only those variables
-    read beforehand, which is the function that runs: outside XLA each read
-    is an op per step, and a read of a variable written in place later (an
-    embedding table's scatter_add) would make TensorFlow copy the whole
-    variable. A later trace of the same update (Keras traces a train step
-    more than once; a notebook retraces) starts from the variables the last
-    one found: one trace, audited like any other, and the passes above
-    again only where that audit fails.
+    before an embedding table's scatter: tests/optimizer/test_sparse_memory.py).
+    Otherwise it is traced again with only those variables read beforehand,
+    which is the function that runs: outside XLA each read is an op per step,
+    and a read of a variable written in place later (an embedding table's
+    scatter_add) would make TensorFlow copy the whole variable. A later
+    trace of the same update (Keras traces a train step more than once; a
+    notebook retraces) starts from the variables the last one found: one
+    trace, audited like any other, and the passes above again only where
+    that audit fails.
     """
     present = [i for i, g in enumerate(grads) if g is not None]
     candidates = []
