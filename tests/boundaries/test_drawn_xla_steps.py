@@ -12,7 +12,8 @@ import keras
 
 import tfdls
 
-# layer name, dtype; the boundary above layer k is BOUNDARIES[k]. Top to bottom the chain
+# layer name, dtype; the boundaries above layer k are the model's boundaries[k:]. Top to
+# bottom the chain
 # out <- b3 <- d(float16) <- b2 <- c(bfloat16) <- b1 <- b(float32) <- b0 <- a(float64)
 # <- be <- emb(float32, IndexedSlices).
 LAYERS = [("emb", "float32"), ("a", "float64"), ("b", "float32"), ("c", "bfloat16"),
@@ -101,9 +102,9 @@ def test_drawn_xla_steps_match_float64(hypothesis):
         opt.scale_loss(tf.constant(1.0))
         values, want = [], []
         for v, i in zip(variables, above):
-            np_dtype = NP_DTYPE[v.dtype.name if hasattr(v.dtype, "name") else v.dtype]
+            dtype_name = tf.as_dtype(v.dtype).name
+            np_dtype = NP_DTYPE[dtype_name]
             shape = shape_of(v)
-            dtype_name = v.dtype.name if hasattr(v.dtype, "name") else v.dtype
             drawn = data.draw(st.lists(value(dtype_name), min_size=int(np.prod(shape)),
                                        max_size=int(np.prod(shape))))
             g64 = np.array([(-1.0 if neg else 1.0) * m * 2.0**(e - 8) for m, e, neg in drawn],
