@@ -108,19 +108,96 @@ def matvec_width(value: tf.Tensor, in_xla: bool, max_width: int = 4096) -> int |
     return None
 
 
-def _matvec_flag(value, width):
-    size = value.shape.num_elements()
+def _matvec_flag(value, width, batched=False):
+    # `batched`: `value` stacks tensors along its first axis; a flag per tensor.
+    size = value.shape[1:].num_elements() if batched else value.shape.num_elements()
     # 2**k >= 16 * size leaves a factor 16 for rounding growth in any
     # summation order (at most (1 + 2**-24)**size, < 8 for size < 2**25 and
     # far smaller for the blocked sums BLAS and XLA use).
     k = math.ceil(math.log2(size)) + 4
     weight = tf.fill([width], tf.constant(2.0**-k, value.dtype))
-    rows = tf.linalg.matvec(tf.reshape(value, [-1, width]), weight)
-    return tf.math.is_finite(tf.reduce_sum(rows))
+    rows = tf.linalg.matvec(tf.reshape(value, [value.shape[0], -1, width] if batched
+                                       else [-1, width]), weight)
+    return tf.math.is_finite(tf.reduce_sum(rows, axis=-1 if batched else None))
 
 
-def _exact_flag(value):
-    return tf.reduce_all(tf.math.is_finite(value))
+def _exact_flag(value, batched=False):
+    return tf.reduce_all(tf.math.is_finite(value), axis=_inner_axes(value) if batched else None)
+
+
+def _inner_axes(stacked):
+    return list(range(1, stacked.shape.rank))
+
+
+# Tensors of at most this many elements that share a dtype, shape and device
+# are reduced together, stacked along a new first axis: one reduction for all
+# of them instead of one each (a model of many equal layers traced, and XLA
+# compiled, a reduction per gradient; 100 Dense(64) layers have 200
+# gradients of 2 shapes). Every reduction here is exact in any order, so a
+# stacked tensor's answers are bit for bit each tensor's own. Larger tensors
+# are reduced alone: stacking would copy them.
+STACK_MAX_ELEMENTS = 32768
+
+
+class _Unit:
+    """What one reduction reads: one tensor (`batched` False), or tensors `members`
+    (indices into the list given) stacked along a new first axis; `first` is the
+    first of them (its dtype and shape are every member's)."""
+
+    def __init__(self, members, value, batched, first):
+        self.members, self.value, self.batched, self.first = members, value, batched, first
+
+
+def _units(values):
+    groups = {}
+    for i, value in enumerate(values):
+        size = value.shape.num_elements()
+        key = (("stack", value.dtype, tuple(value.shape.as_list()), value.device)
+               if size and size <= STACK_MAX_ELEMENTS else ("alone", i))
+        groups.setdefault(key, []).append(i)
+    return [_Unit(members, values[members[0]], False, values[members[0]]) if len(members) == 1
+            else _Unit(members, tf.stack([values[i] for i in members]), True, values[members[0]])
+            for members in groups.values()]
+
+
+def _in_order(units, results, count):
+    """A vector over the values given to `_units` from one result per unit (a scalar for
+    a tensor alone, a vector for a stack)."""
+    if all(not unit.batched for unit in units):
+        return tf.stack(results)
+    alone = [r for unit, r in zip(units, results) if not unit.batched]
+    parts = ([tf.stack(alone)] if alone else []) + [
+        r for unit, r in zip(units, results) if unit.batched]
+    order = ([unit.members[0] for unit in units if not unit.batched]
+             + [i for unit in units if unit.batched for i in unit.members])
+    inverse = [0] * count
+    for position, i in enumerate(order):
+        inverse[i] = position
+    return tf.gather(tf.concat(parts, 0), tf.constant(inverse, tf.int32))
+
+
+def _parts(units, results):
+    """``(members, vector)`` pairs from one result per unit: each stack's vector, and the
+    scalars of the tensors alone stacked per dtype (no element is sliced out: under XLA
+    every slice of a vector is a kernel of its own)."""
+    alone = {}
+    parts = []
+    for unit, result in zip(units, results):
+        if unit.batched:
+            parts.append((unit.members, result))
+        else:
+            alone.setdefault(result.dtype, []).append((unit.members[0], result))
+    for pairs in alone.values():
+        parts.append(([i for i, _ in pairs], tf.stack([r for _, r in pairs])))
+    return parts
+
+
+def _finite_flag(unit, in_xla, on_host):
+    """The unit's finiteness flag(s), exactly (see the module docstring)."""
+    width = matvec_width(unit.first, in_xla) if on_host else None
+    if width is None:
+        return _exact_flag(unit.value, unit.batched)
+    return _matvec_flag(unit.value, width, unit.batched)
 
 
 def finite_flags(values: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -129,18 +206,16 @@ def finite_flags(values: Sequence[tf.Tensor]) -> tf.Tensor:
     Args:
         values: a list of dense float tensors (see `gradient_values`).
 
-    Exact and branch-free (see the module docstring); each tensor is read once.
+    Exact and branch-free (see the module docstring); each tensor is read
+    once (small ones of one shape together, `STACK_MAX_ELEMENTS`).
     """
     _check_floating(values)
     if not values:
         return tf.ones([0], tf.bool)
     in_xla = _compat.in_xla_context()
     on_host = host_only()
-    flags = []
-    for value in values:
-        width = matvec_width(value, in_xla) if on_host else None
-        flags.append(_exact_flag(value) if width is None else _matvec_flag(value, width))
-    return tf.stack(flags)
+    units = _units(values)
+    return _in_order(units, [_finite_flag(u, in_xla, on_host) for u in units], len(values))
 
 
 def largest_magnitudes(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -154,9 +229,11 @@ def largest_magnitudes(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     maximum, which no NaN rule affects) or, for large float32/float64
     tensors, one fused reduction of ``|x|`` with NaN replaced by +inf first
     (so the answer never depends on how a maximum treats NaN); elsewhere
-    `finite_flags` decides finiteness and a maximum and a minimum, which only
-    read, give the largest magnitude of a finite tensor. Scaling is monotonic, so ``largest /
-    divisor`` is finite exactly when every element's quotient is (see
+    `finite_flags`' reduction decides finiteness and a maximum and a minimum,
+    which only read, give the largest magnitude of a finite tensor. Small
+    tensors of one shape are read together (`STACK_MAX_ELEMENTS`). Scaling
+    is monotonic, so ``largest / divisor`` is finite exactly when every
+    element's quotient is (see
     `LossScaleOptimizer` with scale boundaries). Float maxima on CPUs compare
     subnormals as zeros (outside XLA, and XLA's float form): a tensor whose
     largest magnitude is subnormal may read as any of its subnormal
@@ -169,21 +246,51 @@ def largest_magnitudes(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     [3.0, inf, 0.0]
     """
     _check_floating(values)
-    if _compat.in_xla_context():
-        return [_largest_magnitude_from_bits(v) if _bits_pay(v) else
-                _floor_at_zero(tf.reduce_max(tf.where(tf.math.is_nan(v),
-                                                      tf.constant(float("inf"), v.dtype),
-                                                      tf.abs(v))), v)
-                for v in values]
+    in_xla = _compat.in_xla_context()
+    on_host = host_only()
+    out = [None] * len(values)
+    for unit in _units(values):
+        largest = _largest_magnitude(unit, in_xla, on_host)
+        for i, r in zip(unit.members, tf.unstack(largest, len(unit.members))
+                        if unit.batched else [largest]):
+            out[i] = r
+    return out
+
+
+def largest_magnitude_parts(values: Sequence[tf.Tensor]) -> list[tuple[list[int], tf.Tensor]]:
+    """`largest_magnitudes` as vectors: a list of ``(indices into values, vector)``, each
+    vector one dtype's, in no particular order.
+
+    Args:
+        values: a list of dense float tensors (see `gradient_values`).
+
+    For a caller that reads the magnitudes as vectors anyway (the scale
+    boundaries' check): no magnitude is sliced out of its reduction's result.
+    """
+    _check_floating(values)
+    in_xla = _compat.in_xla_context()
+    on_host = host_only()
+    units = _units(values)
+    return _parts(units, [_largest_magnitude(u, in_xla, on_host) for u in units])
+
+
+def _largest_magnitude(unit, in_xla, on_host):
+    value, batched = unit.value, unit.batched
+    axis = _inner_axes(value) if batched else None
+    if in_xla:
+        if batched or _bits_pay(value):  # a stack's members are small: the bits pay
+            return _largest_magnitude_from_bits(value, axis)
+        inf = tf.constant(float("inf"), value.dtype)
+        return _floor_at_zero(tf.reduce_max(tf.where(tf.math.is_nan(value), inf,
+                                                     tf.abs(value))), value)
     # The abs, after the floor (an empty tensor's -inf must read 0): TensorFlow's
     # CPU kernels compare subnormals as zeros, so the maximum may pick the
-    # negated minimum's negative twin.
-    return [
-        tf.where(finite,
-                 tf.abs(_floor_at_zero(tf.maximum(tf.reduce_max(v), -tf.reduce_min(v)), v)),
-                 tf.constant(float("inf"), v.dtype))
-        for v, finite in zip(values, tf.unstack(finite_flags(values), len(values)))
-    ]
+    # negated minimum's negative twin. (A stack's members are not empty.)
+    largest = tf.maximum(tf.reduce_max(value, axis), -tf.reduce_min(value, axis))
+    if not batched:
+        largest = _floor_at_zero(largest, value)
+    return tf.where(_finite_flag(unit, in_xla, on_host), tf.abs(largest),
+                    tf.constant(float("inf"), value.dtype))
 
 
 # dtype -> (the integer type of its bits, the bits of +inf).
@@ -205,7 +312,7 @@ def _bits_pay(value):
     return value.dtype in (tf.float16, tf.bfloat16) or size is None or size <= 32768
 
 
-def _largest_magnitude_from_bits(value):
+def _largest_magnitude_from_bits(value, axis=None):
     # With the sign bit cleared, an IEEE value's bits, read as an integer,
     # order as its magnitude does, +inf above every finite value and every
     # NaN above +inf: the largest magnitude is the integer maximum, NaN
@@ -213,7 +320,7 @@ def _largest_magnitude_from_bits(value):
     int_type, inf_bits = _BITS[value.dtype]
     sign_cleared = tf.bitwise.bitwise_and(tf.bitcast(value, int_type),
                                           tf.constant((1 << (int_type.size * 8 - 1)) - 1, int_type))
-    largest = tf.clip_by_value(tf.reduce_max(sign_cleared), tf.constant(0, int_type),
+    largest = tf.clip_by_value(tf.reduce_max(sign_cleared, axis), tf.constant(0, int_type),
                                tf.constant(inf_bits, int_type))
     return tf.bitcast(largest, value.dtype)
 

@@ -196,11 +196,14 @@ def test_graph_reads_each_gradient_once_without_branches(big):
             assert consumer.type == "Reshape"
             assert [c.type for c in consumer.outputs[0].consumers()] == ["MatMul"]
         else:
+            if consumer.type == "Pack":  # small gradients of one shape, read together
+                (consumer,) = consumer.outputs[0].consumers()
             assert consumer.type == "IsFinite", (ph.name, consumer.type)
 
-    # One reduction per gradient, plus the combination.
+    # One reduction per gradient (small ones of one shape: per shape), plus the combination.
     reductions = [op for op in ops if op.type in REDUCTIONS]
-    assert len(reductions) <= N_GRADS + 2
+    kinds = {(str(s), FLOAT_DTYPES[i % 4]) for i, s in enumerate(shapes)}
+    assert len(reductions) <= (N_GRADS if big else len(kinds)) + 2
     every_placeholder = {op.name for op in placeholders}
     assert every_placeholder <= _ancestors(concrete.outputs[0])
 
@@ -329,3 +332,48 @@ def test_largest_magnitudes_of_a_tensor_of_unknown_size(jit_compile):
     assert float(largest(tf.zeros([0], tf.float16))) == 0.0
     assert float(largest(_tensor([-3.0, 2.0], tf.float16))) == 3.0
     assert float(largest(_tensor([1.0, float("nan")], tf.float16))) == float("inf")
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # run_mode only wraps
+@given(data=st.data())
+def test_tensors_of_one_shape_read_together_answer_each_for_itself(data, run_mode):
+    """Small tensors of one dtype and shape are reduced as one stack
+    (`finite.STACK_MAX_ELEMENTS`): every answer must still be its own tensor's,
+    in its place, whatever the mix of shapes, dtypes and sizes around it."""
+    kinds = data.draw(st.lists(st.tuples(st.sampled_from(FLOAT_DTYPES),
+                                         st.sampled_from([(3,), (2, 2), (1,), (40000,)])),
+                               min_size=1, max_size=3, unique=True))
+    picks = data.draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=12))
+    values, held = [], []
+    for dtype, shape in picks:
+        big, tiny = EXTREMES[dtype]
+        element = st.one_of(st.sampled_from(_SPECIALS + [big, -big, -tiny]),
+                            st.floats(-big, big, allow_nan=False, allow_infinity=False))
+        array = np.zeros(shape)
+        for _ in range(data.draw(st.integers(0, 3))):  # a few drawn values at drawn places
+            array.flat[data.draw(st.integers(0, array.size - 1))] = data.draw(element)
+        values.append(_tensor(array, dtype))
+        held.append(_as_float64(values[-1]))
+
+    def answers(values):
+        parts = finite.largest_magnitude_parts(values)
+        return finite.largest_magnitudes(values), finite.finite_flags(values), parts
+
+    largest, flags, parts = run_mode(answers)(values)
+
+    wanted = [_largest_reference(h) for h in held]
+    for k, (got, want, h) in enumerate(zip(largest, wanted, held)):
+        got = float(np.asarray(got.numpy()).astype(np.float64))
+        # Subnormal largest magnitudes: see test_largest_magnitudes_match_the_definition.
+        if 0 < want < SMALLEST_NORMAL[values[k].dtype]:
+            assert got == 0.0 or got in np.abs(h), (k, h, got)
+        else:
+            assert got == want, (k, picks[k], got, want)
+    np.testing.assert_array_equal(flags.numpy(), [np.all(np.isfinite(h)) for h in held])
+    members = [i for indices, _ in parts for i in indices]
+    assert sorted(members) == list(range(len(values)))  # each tensor once
+    for indices, vector in parts:
+        assert {values[i].dtype for i in indices} == {vector.dtype}
+        np.testing.assert_array_equal(np.asarray(vector.numpy()).astype(np.float64),
+                                      [float(np.asarray(largest[i].numpy())) for i in indices])
