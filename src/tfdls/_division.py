@@ -193,7 +193,21 @@ def power_of_two_float64(exponent):
     return tf.bitcast(tf.bitwise.left_shift(exponent + 1023, tf.constant(52, tf.int64)), tf.float64)
 
 
-def divide_in_float64_by_power_of_two(grad, exponent):
+def reciprocal_float64(exponent):
+    """``2**-exponent`` as float64 for int exponents (elementwise), clipped to +-1022
+    (`FLOAT64_MAX_EXPONENT`): what `divide_in_float64_by_power_of_two` multiplies by.
+
+    Beyond float64's normal powers of two the quotient of any float32,
+    float16 or bfloat16 value is already 0 (e > 1022) or, unless the value
+    is 0, Inf (e < -1022): the clip changes no result. A float64 gradient's
+    exponent stays within +-1022 (`tfdls.boundaries.layers.MAX_FLOAT64_CHAIN`).
+    """
+    exponent = tf.clip_by_value(tf.cast(exponent, tf.int32), -FLOAT64_MAX_EXPONENT,
+                                FLOAT64_MAX_EXPONENT)
+    return power_of_two_float64(-exponent)
+
+
+def divide_in_float64_by_power_of_two(grad, exponent, reciprocal=None):
     """``grad / 2**exponent`` correctly rounded: one float64 multiply (exact), one rounding.
 
     The form for steps outside XLA: TensorFlow's graph optimizer regroups a
@@ -201,19 +215,17 @@ def divide_in_float64_by_power_of_two(grad, exponent):
     product of `multiply_by_pieces`' pieces underflows or overflows float32;
     a single multiply cannot be regrouped. float16 and bfloat16 results are
     rounded to odd at float32's precision first (see `divide`).
+    `reciprocal`: `reciprocal_float64(exponent)`, if already computed (the
+    gradients below one boundary share it).
     """
     if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(divide_in_float64_by_power_of_two(grad.values, exponent),
+        return tf.IndexedSlices(divide_in_float64_by_power_of_two(grad.values, exponent,
+                                                                  reciprocal),
                                 grad.indices, grad.dense_shape)
     grad = tf.convert_to_tensor(grad)
-    exponent = tf.cast(exponent, tf.int32)
-    if grad.dtype != tf.float64:
-        # Beyond float64's normal powers of two the quotient of any float32,
-        # float16 or bfloat16 value is already 0 (e > 1022) or, unless the
-        # value is 0, Inf (e < -1022): clamping changes no result. float64
-        # gradients need |exponent| <= 1022 (callers refuse deeper chains).
-        exponent = tf.clip_by_value(exponent, -FLOAT64_MAX_EXPONENT, FLOAT64_MAX_EXPONENT)
-    quotient = tf.cast(grad, tf.float64) * power_of_two_float64(-exponent)
+    if reciprocal is None:
+        reciprocal = reciprocal_float64(exponent)
+    quotient = tf.cast(grad, tf.float64) * reciprocal
     if grad.dtype == tf.float64:
         return quotient
     if grad.dtype in NARROW_FLOATS:
@@ -221,17 +233,18 @@ def divide_in_float64_by_power_of_two(grad, exponent):
     return tf.cast(quotient, grad.dtype)
 
 
-def divide_by_power_of_two(grad, exponent, max_exponent: int, pieces=None):
+def divide_by_power_of_two(grad, exponent, max_exponent: int, pieces=None, reciprocal=None):
     """``grad / 2**exponent`` correctly rounded, for an int32 `exponent` with |exponent| <= `max_exponent`.
 
     Inside XLA (which does not regroup float multiplies): `grad` times the
     pieces of `reciprocal_pieces_for` its dtype (given, or computed here),
-    fused into one pass. Elsewhere: `divide_in_float64_by_power_of_two`. Subnormal float32,
+    fused into one pass. Elsewhere: `divide_in_float64_by_power_of_two`, by
+    `reciprocal` if given. Subnormal float32,
     bfloat16 and float64 results are flushed to zero on CPUs, as all
     TensorFlow arithmetic there does.
     """
     if not _compat.in_xla_context():
-        return divide_in_float64_by_power_of_two(grad, exponent)
+        return divide_in_float64_by_power_of_two(grad, exponent, reciprocal)
     if pieces is None:
         pieces = reciprocal_pieces_for(dtype_of(grad), exponent, max_exponent)
     return multiply_by_pieces(grad, pieces)

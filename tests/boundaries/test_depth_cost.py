@@ -66,3 +66,54 @@ def test_first_fit_of_100_nested_boundaries_costs_a_bounded_multiple_of_the_glob
     assert bounded["loss"] == pytest.approx(plain["loss"], rel=1e-3)  # both trained alike
     assert bounded["cpu_s"] <= MAX_CPU_RATIO * plain["cpu_s"], (bounded, plain)
     assert bounded["peak_mb"] <= MAX_PEAK_RATIO * plain["peak_mb"], (bounded, plain)
+
+
+def _traced_apply_op_counts(depth, whole_step_xla):
+    """Op types of one traced `apply` of `depth` Dense(8) layers with a boundary after each
+    (nested functions included)."""
+    import collections
+    import warnings
+
+    import keras
+    import tensorflow as tf
+
+    import tfdls
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(depth)])
+    model = tfdls.add_scale_boundaries(model, every=1)
+    optimizer = tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=model,
+                                         jit_compile=False)
+    variables = model.trainable_variables
+    optimizer.build(variables)
+
+    def step(*grads):
+        optimizer.scale_loss(tf.constant(1.0))  # this step's factors, as a training step records
+        optimizer.apply(list(grads), variables)
+
+    specs = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        concrete = tf.function(step, jit_compile=whole_step_xla).get_concrete_function(*specs)
+    counts = collections.Counter(op.type for op in concrete.graph.get_operations())
+    for function in concrete.graph._functions.values():
+        counts.update(node.op for node in function.cached_definition.node_def)
+    return counts
+
+
+@pytest.mark.parametrize("whole_step_xla", [False, True], ids=["graph", "xla"])
+def test_equal_layers_are_checked_and_divided_together(whole_step_xla):
+    """Per gradient below a boundary, the traced step holds its update and its
+    multiply by the divisor; the check's reductions (one per dtype and shape,
+    `finite.STACK_MAX_ELEMENTS`) and the divisors' powers of two (one vector per
+    step) do not grow with the number of equal layers. At 0.3 to 1 ms per traced
+    operation on a small CPU, each operation per gradient cost a 100-layer model
+    0.1 to 0.2 s of every trace."""
+    # 12 and 16 boundaries: both divide by 3 pieces under XLA (`_division.exponent_bound`)
+    # and place the factors level by level, unrolled (`UNROLLED_LEVELS`).
+    shallow = _traced_apply_op_counts(12, whole_step_xla)
+    deep = _traced_apply_op_counts(16, whole_step_xla)
+    per_step = ["LeftShift", "Bitcast", "IsFinite", "All", "Min", "BitwiseAnd", "Pack"]
+    assert {op: deep[op] for op in per_step} == {op: shallow[op] for op in per_step}
+    # The reductions that grow are the adaptation's, one per level of nesting.
+    assert deep["Max"] - shallow["Max"] == 4

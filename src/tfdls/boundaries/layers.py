@@ -203,11 +203,18 @@ def _identity_scaling_gradient(x, boundary):
             registry.seen.add(scaled, (boundary,))
             return scaled
 
-        return tf.identity(value), backward
+        # No tf.identity of our own: tf.custom_gradient already returns an identity
+        # of the result (an IdentityN in a graph), one op per boundary fewer to trace.
+        return value, backward
 
     if isinstance(x, (tf.Tensor, tf.Variable)) and not x.dtype.is_floating:
         return x
-    return identity(x)
+    return identity(_tensor(x))
+
+
+def _tensor(x):
+    # A variable given as input is read here: `identity` returns its argument.
+    return tf.convert_to_tensor(x) if isinstance(x, (tf.Variable, keras.Variable)) else x
 
 
 def _dense(upstream):
@@ -325,11 +332,11 @@ def _identity_unscaling_gradient(x, layer):
             registry.seen.add(divided, above, divides=True)
             return divided
 
-        return tf.identity(value), backward
+        return value, backward  # tf.custom_gradient adds the identity
 
     if isinstance(x, (tf.Tensor, tf.Variable)) and not x.dtype.is_floating:
         return x
-    return identity(x)
+    return identity(_tensor(x))
 
 
 def _first_order_only(gradient, layer):
@@ -351,7 +358,7 @@ def _first_order_only(gradient, layer):
                 "boundaries."
             )
 
-        return tf.identity(value), second_order
+        return value, second_order  # tf.custom_gradient adds the identity
 
     return identity(gradient)
 

@@ -270,16 +270,18 @@ class BoundaryScales(tf.Module):
         return 128 + bound * depth
 
     def divisors(self, divisor, already_unscaled, positions, totals=None, dtypes=()):
-        """Per position: None (no boundary above it), or ``(exponent, pieces)`` to divide its
-        gradient by with `divide`; and the same per segment below a boundary as vectors
-        ``(exponents, pieces)`` (None without such segments).
+        """Per position: None (no boundary above it), or ``(exponent, pieces, reciprocal)``
+        to divide its gradient by with `divide`; and per segment below a boundary, as
+        vectors, ``(exponents, pieces)`` (None without such segments).
 
         The divisor of a variable below boundaries is ``2**(log2(divisor) + T)``,
         T the sum of the exponents of the boundaries above it; 1 where the
-        gradients are already unscaled. Computed once per segment, as vectors.
-        `pieces` (only inside XLA, else None) maps an exponent bound
-        (`_division.exponent_bound` of each of `dtypes`, the gradients' dtypes)
-        to the `_division.reciprocal_pieces_for` that bound.
+        gradients are already unscaled. Computed once per segment, as vectors:
+        inside XLA, `pieces` maps an exponent bound (`_division.exponent_bound`
+        of each of `dtypes`, the gradients' dtypes) to the
+        `_division.reciprocal_pieces_for` that bound (None outside XLA);
+        outside XLA, `reciprocal` is `_division.reciprocal_float64` of the
+        exponent (None inside).
         """
         if totals is None:
             totals = self.totals(self.recorded_exponents())
@@ -290,9 +292,13 @@ class BoundaryScales(tf.Module):
         exponents = tf.where(already_unscaled, tf.zeros_like(exponents), exponents)
         # Computed once: every gradient's division reads a segment of these.
         exponents, = _compat.computed_once(exponents)
-        by_segment = [(e, {}) for e in tf.unstack(exponents, segments)]
+        by_segment = [(e, {}, None) for e in tf.unstack(exponents, segments)]
         pieces = None
-        if _compat.in_xla_context():
+        if not _compat.in_xla_context():
+            # One float64 power of two per segment, not one per gradient.
+            reciprocals = tf.unstack(_division.reciprocal_float64(exponents), segments)
+            by_segment = [(e, p, r) for (e, p, _), r in zip(by_segment, reciprocals)]
+        else:
             pieces = {}
             for dtype in dtypes:
                 bound = _division.exponent_bound(dtype, self.max_exponent)
@@ -302,7 +308,7 @@ class BoundaryScales(tf.Module):
                         dtype, exponents, self.max_exponent), axis=1))
                     pieces[bound] = tf.unstack(stacked, axis=1)
                     per_segment = tf.unstack(stacked, segments)
-                    for (_, by_bound), p in zip(by_segment, per_segment):
+                    for (_, by_bound, _), p in zip(by_segment, per_segment):
                         by_bound[bound] = tf.unstack(p)
         per_position = [None if self.segment_of[p] == 0 else by_segment[self.segment_of[p] - 1]
                         for p in positions]
@@ -312,11 +318,12 @@ class BoundaryScales(tf.Module):
         """`grad` divided by `divisor` (one of `divisors`), recorded as divided: a gradient
         that depends on it (a joint clip by global norm) carries no factor of these
         boundaries."""
-        exponent, pieces = divisor
+        exponent, pieces, reciprocal = divisor
         # Pieces for this dtype's bound, if `divisors` made them; else made here.
         bound = _division.exponent_bound(_division.dtype_of(grad), self.max_exponent)
         pieces = pieces.get(bound)
-        divided = _division.divide_by_power_of_two(grad, exponent, self.max_exponent, pieces)
+        divided = _division.divide_by_power_of_two(grad, exponent, self.max_exponent, pieces,
+                                                   reciprocal)
         for tensor in registry.tensors_of(divided):
             registry.seen.add(tensor, self.boundaries, divides=True)
         return divided
@@ -390,30 +397,34 @@ class BoundaryStep:
         (`finite.largest_magnitudes`, +inf for NaN/Inf) by the gradient's own
         divisor is finite exactly when every element's is: one reading of
         each gradient answers both the check and the adaptation. The
-        quotients are computed per kind of division and dtype as vectors
-        (elementwise, the same arithmetic as each gradient's), so a step
-        costs a few operations, not a few per gradient.
+        quotients are computed per kind of division and vector of largest
+        magnitudes (`finite.largest_magnitude_parts`: one per dtype and
+        shape of small gradients) as vectors (elementwise, the same
+        arithmetic as each gradient's), so a step costs a few operations,
+        not a few per gradient.
         """
-        largest = finite.largest_magnitudes(finite.gradient_values([grads[i] for i in present]))
-        groups = {}
-        for k, i in enumerate(present):
-            kind = ("value" if not divides[i]
-                    else "scale" if self.per_position[i] is None else "boundaries")
-            groups.setdefault((kind, largest[k].dtype), []).append(k)
+        values = finite.gradient_values([grads[i] for i in present])
         bad, magnitudes, order = [], [], []
-        for (kind, _), members in groups.items():
-            stacked = tf.stack([largest[k] for k in members])
-            if kind == "value":
-                quotient = self.division.as_value(stacked)
-            elif kind == "scale":
-                quotient = self.division.by_scale(stacked)
-            else:
-                quotient = _division.divide_by_power_of_two(
-                    stacked, *self._gather_divisors([self.segments[present[k]] - 1
-                                                     for k in members], stacked.dtype))
-            bad.append(tf.logical_not(tf.math.is_finite(quotient)))
-            magnitudes.append(tf.cast(stacked, tf.float32))
-            order += members
+        for members, largest in finite.largest_magnitude_parts(values):
+            kinds = ["value" if not divides[present[k]]
+                     else "scale" if self.per_position[present[k]] is None else "boundaries"
+                     for k in members]
+            for kind in dict.fromkeys(kinds):
+                chosen = [j for j, x in enumerate(kinds) if x == kind]
+                stacked = (largest if len(chosen) == len(members)
+                           else tf.gather(largest, tf.constant(chosen, tf.int32)))
+                chosen = [members[j] for j in chosen]
+                if kind == "value":
+                    quotient = self.division.as_value(stacked)
+                elif kind == "scale":
+                    quotient = self.division.by_scale(stacked)
+                else:
+                    quotient = _division.divide_by_power_of_two(
+                        stacked, *self._gather_divisors([self.segments[present[k]] - 1
+                                                         for k in chosen], stacked.dtype))
+                bad.append(tf.logical_not(tf.math.is_finite(quotient)))
+                magnitudes.append(tf.cast(stacked, tf.float32))
+                order += chosen
         bad, magnitudes = tf.concat(bad, 0), tf.concat(magnitudes, 0)
         if order != sorted(order):  # back to the order of `present`
             inverse = np.argsort(order).astype(np.int32)
