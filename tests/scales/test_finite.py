@@ -377,3 +377,54 @@ def test_tensors_of_one_shape_read_together_answer_each_for_itself(data, run_mod
         assert {values[i].dtype for i in indices} == {vector.dtype}
         np.testing.assert_array_equal(np.asarray(vector.numpy()).astype(np.float64),
                                       [float(np.asarray(largest[i].numpy())) for i in indices])
+
+
+# -- unknown shapes: from an outside review -------------------------------------------
+
+import ml_dtypes  # noqa: E402
+
+_NUMPY_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+                 "float64": np.float64}
+_SIGNATURE_SHAPES = [(3, 4), (3, 4), (), (), (0, 4), (3, 4), (5,), (), (0,)]
+
+
+@pytest.mark.parametrize("signature", ["none_dims", "unknown_rank", "static"])
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_parts_match_numpy_under_signatures(signature, jit, seed):
+    """Unknown dimensions and rank (nothing stacks then), scalars (they stack) and empty
+    tensors, traced and under XLA: `largest_magnitude_parts` reassembled, `largest_magnitudes`
+    and `finite_flags` against numpy (from an outside review of the stacked reductions)."""
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for shape in _SIGNATURE_SHAPES:
+        dtype = _NUMPY_DTYPES[rng.choice(list(_NUMPY_DTYPES))]
+        a = rng.normal(size=shape).astype(np.float32)
+        special = rng.choice([None, None, np.inf, np.nan, -np.inf])
+        if special is not None and a.size:
+            a.flat[rng.integers(0, a.size)] = special
+        arrays.append(a.astype(dtype))
+    tensors = [tf.constant(a) for a in arrays]
+    spec = {"none_dims": lambda t: tf.TensorSpec([None] * t.shape.rank, t.dtype),
+            "unknown_rank": lambda t: tf.TensorSpec(None, t.dtype),
+            "static": lambda t: tf.TensorSpec(t.shape, t.dtype)}[signature]
+
+    @tf.function(input_signature=[spec(t) for t in tensors], jit_compile=jit)
+    def f(*xs):
+        xs = list(xs)
+        full = [None] * len(xs)
+        for members, vector in finite.largest_magnitude_parts(xs):
+            for j, i in enumerate(members):
+                full[i] = tf.cast(vector[j], tf.float64)
+        return (finite.finite_flags(xs),
+                tf.stack([tf.cast(m, tf.float64) for m in finite.largest_magnitudes(xs)]),
+                tf.stack(full))
+
+    flags, largest, parts = (x.numpy() for x in f(*tensors))
+    wide = [a.astype(np.float64) for a in arrays]
+    want_flags = np.array([np.all(np.isfinite(a)) for a in wide])
+    want = np.array([np.max(np.abs(a)) if a.size and ok else (0.0 if ok else np.inf)
+                     for a, ok in zip(wide, want_flags)])
+    np.testing.assert_array_equal(flags, want_flags)
+    np.testing.assert_array_equal(largest, want)
+    assert parts.tobytes() == largest.tobytes()
