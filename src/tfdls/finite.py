@@ -29,6 +29,7 @@ import math
 import os
 from typing import Any, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tfdls import _compat, _distribute
@@ -160,20 +161,15 @@ def _units(values):
             for members in groups.values()]
 
 
-def _in_order(units, results, count):
+def _in_order(units, results):
     """A vector over the values given to `_units` from one result per unit (a scalar for
     a tensor alone, a vector for a stack)."""
     if all(not unit.batched for unit in units):
         return tf.stack(results)
-    alone = [r for unit, r in zip(units, results) if not unit.batched]
-    parts = ([tf.stack(alone)] if alone else []) + [
-        r for unit, r in zip(units, results) if unit.batched]
-    order = ([unit.members[0] for unit in units if not unit.batched]
-             + [i for unit in units if unit.batched for i in unit.members])
-    inverse = [0] * count
-    for position, i in enumerate(order):
-        inverse[i] = position
-    return tf.gather(tf.concat(parts, 0), tf.constant(inverse, tf.int32))
+    parts = _parts(units, results)
+    order = [i for members, _ in parts for i in members]
+    return tf.gather(tf.concat([vector for _, vector in parts], 0),
+                     np.argsort(order).astype(np.int32))
 
 
 def _parts(units, results):
@@ -215,7 +211,7 @@ def finite_flags(values: Sequence[tf.Tensor]) -> tf.Tensor:
     in_xla = _compat.in_xla_context()
     on_host = host_only()
     units = _units(values)
-    return _in_order(units, [_finite_flag(u, in_xla, on_host) for u in units], len(values))
+    return _in_order(units, [_finite_flag(u, in_xla, on_host) for u in units])
 
 
 def largest_magnitudes(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:

@@ -292,13 +292,13 @@ class BoundaryScales(tf.Module):
         exponents = tf.where(already_unscaled, tf.zeros_like(exponents), exponents)
         # Computed once: every gradient's division reads a segment of these.
         exponents, = _compat.computed_once(exponents)
-        by_segment = [(e, {}, None) for e in tf.unstack(exponents, segments)]
+        in_xla = _compat.in_xla_context()
+        # Outside XLA, one float64 power of two per segment, not one per gradient.
+        reciprocals = ([None] * segments if in_xla
+                       else tf.unstack(_division.reciprocal_float64(exponents), segments))
+        by_segment = [(e, {}, r) for e, r in zip(tf.unstack(exponents, segments), reciprocals)]
         pieces = None
-        if not _compat.in_xla_context():
-            # One float64 power of two per segment, not one per gradient.
-            reciprocals = tf.unstack(_division.reciprocal_float64(exponents), segments)
-            by_segment = [(e, p, r) for (e, p, _), r in zip(by_segment, reciprocals)]
-        else:
+        if in_xla:
             pieces = {}
             for dtype in dtypes:
                 bound = _division.exponent_bound(dtype, self.max_exponent)
