@@ -21,6 +21,10 @@ Per gradient it uses one of two exact reductions:
   lower-precision "fpmath mode") may round matmul inputs (TF32, bfloat16
   passes), which could turn a value within a few ulp of the float32 maximum
   into Inf, so they always take the first form.
+
+Small gradients of one dtype and shape (a deep model's equal layers) are
+stacked and reduced together, each still answered for itself
+(`STACK_MAX_ELEMENTS`): one reduction per shape instead of one per gradient.
 """
 
 from __future__ import annotations
