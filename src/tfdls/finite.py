@@ -145,12 +145,16 @@ STACK_MAX_ELEMENTS = 32768
 
 
 class _Unit:
-    """What one reduction reads: one tensor (`batched` False), or tensors `members`
-    (indices into the list given) stacked along a new first axis; `first` is the
-    first of them (its dtype and shape are every member's)."""
+    """What one reduction reads: the tensor `first` alone, or tensors `members`
+    (indices into the list given) stacked along a new first axis (`batched`); `first`
+    is the first of them (its dtype and shape are every member's)."""
 
-    def __init__(self, members, value, batched, first):
-        self.members, self.value, self.batched, self.first = members, value, batched, first
+    def __init__(self, members, value, first):
+        self.members, self.value, self.first = members, value, first
+
+    @property
+    def batched(self):
+        return len(self.members) > 1
 
 
 def _units(values):
@@ -160,8 +164,8 @@ def _units(values):
         key = (("stack", value.dtype, tuple(value.shape.as_list()), value.device)
                if size and size <= STACK_MAX_ELEMENTS else ("alone", i))
         groups.setdefault(key, []).append(i)
-    return [_Unit(members, values[members[0]], False, values[members[0]]) if len(members) == 1
-            else _Unit(members, tf.stack([values[i] for i in members]), True, values[members[0]])
+    return [_Unit(members, values[members[0]] if len(members) == 1
+                  else tf.stack([values[i] for i in members]), values[members[0]])
             for members in groups.values()]
 
 
