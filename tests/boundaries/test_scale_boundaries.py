@@ -97,8 +97,7 @@ def pinned(k):
 @pytest.mark.parametrize("exponent", [-3, 0, 5])
 def test_boundary_is_an_identity_whose_gradient_is_scaled(dtype, exponent):
     boundary = tfdls.ScaleBoundary(**pinned(exponent))
-    boundary._ownership.owned.assign(True)  # as LossScaleOptimizer(scale_boundaries=...) does
-    boundaries_lib.record_factors([boundary])  # and its scale_loss
+    boundaries_lib.record_factors([boundary])  # as its owner's scale_loss does
     x = tf.constant(np.random.default_rng(0).normal(size=(3, 5)), dtype)
     with tf.GradientTape() as tape:
         tape.watch(x)
@@ -115,7 +114,6 @@ def test_boundary_multiplies_by_the_factor_scale_loss_recorded():
     """The backward pass reads, when it runs, the factor its owner's last scale_loss
     recorded (`record_factors`); a factor changed since takes effect at the next one."""
     boundary = tfdls.ScaleBoundary(max_log2_factor=15)
-    boundary._ownership.owned.assign(True)
     x = tf.ones([2])
 
     def input_gradient():

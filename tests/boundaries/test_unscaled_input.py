@@ -171,7 +171,7 @@ def test_a_gradient_penalty_through_boundaries_is_refused(mode, through):
     model, _ = twin_models(3, {0: 4})
     tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=model)
     boundary = tfdls.ScaleBoundary(**pinned(4), name="alone")
-    boundary._ownership.owned.assign(True)  # as an optimizer given its model does
+    boundary._ownership.recorded_exponent.assign(4.0)  # as an optimizer given it records
     head = keras.layers.Dense(1)
     x = tf.ones([2, 4])
 

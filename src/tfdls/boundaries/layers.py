@@ -64,9 +64,10 @@ class ScaleBoundary(keras.layers.Layer):
     A boundary scales the gradient only while a `LossScaleOptimizer` owns it
     (``scale_boundaries=model`` or `set_scale_boundaries`); otherwise, as in
     a freshly loaded model or with any other optimizer, it is an identity
-    both ways, so nothing else ever sees a scaled gradient. Ownership is a
-    device flag, read when the backward pass runs, not when it is traced;
-    once owned, a boundary stays owned (nothing clears the flag).
+    both ways, so nothing else ever sees a scaled gradient. The backward
+    pass multiplies by the exponent recorded on the device (0 until an
+    optimizer owns the boundary), read when it runs, not when it is traced;
+    once owned, a boundary stays owned.
 
     No host read and no branch: both outcomes are computed and selected.
 
@@ -364,15 +365,15 @@ def _first_order_only(gradient, layer):
 
 
 class _Ownership:
-    """Holds the device flag "a LossScaleOptimizer owns this boundary" (not trackable)."""
+    """Holds what the boundary's owner recorded on the device (not trackable)."""
 
     def __init__(self):
         with tf.init_scope():
-            self.owned = tf.Variable(False, trainable=False, name="owned")
             # The exponent of this step: what every backward pass multiplies by and
-            # the optimizer divides by. Recorded from `log2_factor` when ownership
-            # is taken and by the owner's scale_loss (`record_factors`); each
-            # replica records its own copy (ON_READ), in replica context.
+            # the optimizer divides by. 0 (an identity) until a LossScaleOptimizer
+            # owns the boundary; then `exponent()` as recorded when ownership is
+            # taken and by the owner's scale_loss (`record_factors`), nothing else;
+            # each replica records its own copy (ON_READ), in replica context.
             self.recorded_exponent = tf.Variable(
                 0.0, trainable=False, name="recorded_exponent",
                 synchronization=tf.VariableSynchronization.ON_READ,

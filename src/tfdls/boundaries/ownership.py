@@ -26,8 +26,8 @@ def take_ownership(boundary_map) -> None:
     group = readings.Group(boundary_map.boundaries)
     for boundary in boundary_map.boundaries:
         with tf.init_scope():  # now, even inside a trace: a group's members are owned
-            boundary._ownership.owned.assign(True)
-            # Until its owner's first scale_loss records them: the factor in force.
+            # Owned from here: until its owner's first scale_loss records them, the
+            # factor in force (before, 0: an identity).
             boundary._ownership.recorded_exponent.assign(boundary.exponent())
         boundary._ownership.group = group
     registry.mark_owned_above(boundary_map)

@@ -1,15 +1,18 @@
 """Reading the scale boundaries' factors in the backward pass: once per group, where exact.
 
-A boundary's factor is ``2**e``, ``e`` the exponent its owner's last
-`scale_loss` recorded from `log2_factor` (read as an integer within its
-bounds, `integer_exponent`; `boundaries.record_factors`), and 0 while no
-optimizer owns it: every backward pass of a step multiplies by the same
-factors, which `apply` divides by.
-That reading is a dozen TensorFlow operations, and outside XLA each one costs
-about a microsecond to dispatch: a model with a boundary after every layer
-paid it per boundary, in the backward pass. In a traced function the first
-boundary of an optimizer's group to run its backward pass reads the whole
-group's factors as one vector instead, and the others take their element.
+A boundary's factor is ``2**e``, ``e`` its recorded exponent: 0 until an
+optimizer owns the boundary, then what its owner's last `scale_loss` recorded
+(`boundaries.take_ownership`, `boundaries.record_factors`), each time
+`ScaleBoundary.exponent`, an integer within the layer's bounds. Nothing else
+writes it, so the backward pass multiplies by ``2**e`` as read, and every
+backward pass of a step multiplies by the same factors, which `apply` divides by.
+The recorded exponent is device state, read when the backward pass runs: a
+pass traced before ownership scales once the boundary is owned.
+Outside XLA each TensorFlow operation costs about a microsecond to dispatch:
+a model with a boundary after every layer paid the reading per boundary, in
+the backward pass. In a traced function the first boundary of an optimizer's
+group to run its backward pass reads the whole group's factors as one vector
+instead, and the others take their element.
 
 The rule, in one sentence: a reading is reused only while the traced graph
 holds no operation, created after it, that takes one of the group's variable
@@ -20,14 +23,10 @@ so a reused reading holds the values a new one would read. Eagerly, outside a
 `tf.function` (TF1 graphs order nothing), and for a boundary no optimizer has
 claimed, every boundary reads its own factor.
 
-A group's reading reads one ownership flag for the whole group (`Group.owned`)
-instead of each member's: a boundary joins a group only in
-`boundaries.take_ownership`, which sets its own flag at the same moment
-(eagerly) and makes the group's flag true, and nothing clears a flag, so they
-agree. Like the members' flags, the group's is not saved with the model: a
-loaded model starts unowned, and a SavedModel cannot capture a traced backward
-pass of an owned model (export fails, rather than save a gradient that
-carries factors nobody divides out).
+The recorded exponents are not saved with the model: a loaded model starts
+unowned, and a SavedModel cannot capture a traced backward pass of an owned
+model (export fails on the untracked variable, rather than save a gradient
+that carries factors nobody divides out).
 """
 
 from __future__ import annotations
@@ -59,11 +58,6 @@ def integer_exponent(log2_factor, low=-126, high=127):
     return tf.cast(tf.cast(value, tf.int32), tf.float32)  # the cast truncates
 
 
-def owned_exponents(log2_factors, owned, low, high):
-    """The exponents the backward pass multiplies by: `integer_exponent` where `owned`, else 0."""
-    return tf.where(owned, integer_exponent(log2_factors, low, high), 0.0)
-
-
 def factor(boundary, dtype):
     """`boundary`'s factor for this backward pass, a scalar of `dtype` (see the module
     docstring)."""
@@ -75,8 +69,7 @@ def factor(boundary, dtype):
         return _read_one(boundary, dtype)
     try:
         # Under a distribution strategy these are the replica's own copies.
-        handles = (tuple(b._ownership.recorded_exponent.handle for b in group.boundaries)
-                   + (group.owned.handle,))
+        handles = tuple(b._ownership.recorded_exponent.handle for b in group.boundaries)
     except (ValueError, AttributeError):  # no replica's copy here: cross-replica context
         return _read_one(boundary, dtype)
     readings = _readings.setdefault(graph, {})
@@ -94,11 +87,6 @@ class Group:
     def __init__(self, boundaries):
         self.boundaries = tuple(boundaries)
         self.index = {id(b): k for k, b in enumerate(self.boundaries)}
-        self.low = np.array([b.min_log2_factor for b in self.boundaries], np.float32)
-        self.high = np.array([b.max_log2_factor for b in self.boundaries], np.float32)
-        with tf.init_scope():
-            # Not tracked, so never saved (see the module docstring).
-            self.owned = tf.Variable(True, trainable=False, name="group_owned")
 
 
 # graph -> {(group, handles): _GroupReading}. A reading names its graph's
@@ -112,14 +100,11 @@ class _GroupReading:
     def __init__(self, group, handles):
         self.group = group
         self.handles = handles
-        reads = [tf.raw_ops.ReadVariableOp(resource=h, dtype=tf.float32) for h in handles[:-1]]
-        owned = tf.raw_ops.ReadVariableOp(resource=handles[-1], dtype=tf.bool)
-        reads.append(owned)
+        reads = [tf.raw_ops.ReadVariableOp(resource=h, dtype=tf.float32) for h in handles]
         # The variables' handles as this graph holds them (captured or passed in).
         self.graph_handles = [r.op.inputs[0].name for r in reads]
         self.created = max(_compat.op_creation_order(r.op) for r in reads)
-        exponents = owned_exponents(tf.stack(reads[:-1]), owned, group.low, group.high)
-        self.factors = power_of_two(tf.cast(exponents, tf.int32)).name
+        self.factors = power_of_two(tf.cast(tf.stack(reads), tf.int32)).name
         self.by_dtype = {}  # dtype -> the names of the factors in that dtype
 
     def reusable(self, graph, group, handles):
@@ -137,7 +122,5 @@ class _GroupReading:
 
 
 def _read_one(boundary, dtype):
-    exponent = owned_exponents(boundary._ownership.recorded_exponent.value(),
-                               boundary._ownership.owned,
-                               boundary.min_log2_factor, boundary.max_log2_factor)
+    exponent = boundary._ownership.recorded_exponent.value()
     return tf.cast(power_of_two(tf.cast(exponent, tf.int32)), dtype)
