@@ -117,3 +117,56 @@ def test_equal_layers_are_checked_and_divided_together(whole_step_xla):
     assert {op: deep[op] for op in per_step} == {op: shallow[op] for op in per_step}
     # The reductions that grow are the adaptation's, one per level of nesting.
     assert deep["Max"] - shallow["Max"] == 4
+
+
+def _distinct_batch_kernels(depth):
+    """The distinct fused computations that touch the batch (the forward and backward
+    passes) in the optimized HLO of one whole-step XLA compile of `depth` Dense(8, sigmoid)
+    layers with a boundary after each, batch 5 (names and metadata left out)."""
+    import re
+    import warnings
+
+    import keras
+    import tensorflow as tf
+
+    import tfdls
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8, activation="sigmoid")
+                                                   for _ in range(depth)])
+    model = tfdls.add_scale_boundaries(model, every=1)
+    optimizer = tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=model)
+    optimizer.build(model.trainable_variables)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = optimizer.scale_loss(tf.reduce_sum(model(x)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hlo = tf.function(step, jit_compile=True).experimental_get_compiler_ir(
+            tf.ones([5, 8]))(stage="optimized_hlo")
+    bodies, body = set(), None
+    for line in hlo.splitlines():
+        if line.startswith(("%fused", "fused")) and line.rstrip().endswith("{"):
+            body = []
+        elif body is not None and line.startswith("}"):
+            bodies.add("\n".join(body))
+            body = None
+        elif body is not None:
+            body.append(re.sub(r"%[\w.\-]+", "%", re.sub(r", metadata=\{[^}]*\}", "", line)))
+    return {b for b in bodies if "[5,8]" in b}
+
+
+def test_equal_boundaries_backward_passes_compile_to_one_kernel_under_xla():
+    """XLA compiles a kernel per distinct fusion, and reuses one only for an identical
+    fusion. Each boundary's backward pass reads its own recorded exponent inside XLA,
+    and `scale_loss` records each from its own variable: the backward fusions of equal
+    layers are then equal, however many there are. When they read one vector of all the
+    factors at a constant index, each was a kernel of its own (at 100 boundaries, 200
+    more kernels to compile)."""
+    shallow, deep = _distinct_batch_kernels(8), _distinct_batch_kernels(12)
+    assert shallow  # the forward and backward passes were found
+    assert len(deep) == len(shallow), (len(shallow), len(deep))

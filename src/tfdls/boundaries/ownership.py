@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from tfdls import _compat
 from tfdls.boundaries import readings, registry
 from tfdls.boundaries.readings import integer_exponent
 
@@ -37,6 +38,14 @@ def record_factors(boundaries) -> None:
     """`scale_loss`: the factors now (`ScaleBoundary.exponent`) become this step's, which
     every backward pass multiplies by and `apply` divides by until the next call."""
     if not boundaries:
+        return
+    if _compat.in_xla_context():
+        # Each from its own variable. XLA hands a value written in the cluster to
+        # the reads after it: an element of one vector, read at a constant index,
+        # made every boundary's backward pass a kernel of its own, while equal
+        # boundaries' own scalar readings compile to one kernel.
+        for boundary in boundaries:
+            boundary._ownership.recorded_exponent.assign(boundary.exponent())
         return
     exponents = current_exponents(boundaries)
     for boundary, exponent in zip(boundaries, tf.unstack(exponents, len(boundaries))):

@@ -21,7 +21,10 @@ branch or a loop that captured it); otherwise the group is read again. In a
 `tf.function` TensorFlow runs a resource's reads and writes in program order,
 so a reused reading holds the values a new one would read. Eagerly, outside a
 `tf.function` (TF1 graphs order nothing), and for a boundary no optimizer has
-claimed, every boundary reads its own factor.
+claimed, every boundary reads its own factor. Inside XLA too, where nothing is
+dispatched: there an element of a vector is read at a constant index, which
+makes each boundary's backward fusion a kernel of its own, while equal
+boundaries reading their own variables compile to one kernel.
 
 The recorded exponents are not saved with the model: a loaded model starts
 unowned, and a SavedModel cannot capture a traced backward pass of an owned
@@ -62,7 +65,7 @@ def factor(boundary, dtype):
     """`boundary`'s factor for this backward pass, a scalar of `dtype` (see the module
     docstring)."""
     group = boundary._ownership.group
-    if group is None or tf.executing_eagerly():
+    if group is None or tf.executing_eagerly() or _compat.in_xla_context():
         return _read_one(boundary, dtype)
     graph = tf.compat.v1.get_default_graph()
     if not getattr(graph, "building_function", False):
