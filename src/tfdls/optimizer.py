@@ -216,11 +216,14 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
                 f"got loss_scale={ls!r}"
             )
         boundary_map = boundaries_lib.read_boundaries(model)
-        boundaries_lib.take_ownership(boundary_map)
-        boundaries_lib.guard_layers_below(model, boundary_map)
         scales = BoundaryScales(boundary_map)
         if self.built:
-            scales.build(self._trainable_variables)  # raises before anything is kept
+            # Raises before anything is kept, the boundaries' ownership included: a
+            # boundary owned by no working optimizer would still scale its gradients.
+            scales.build(self._trainable_variables)
+        boundaries_lib.take_ownership(boundary_map)
+        boundaries_lib.guard_layers_below(model, boundary_map)
+        if self.built:
             self._boundary_scales = scales
         else:
             # Held untracked until build(): a checkpoint of an unbuilt optimizer has

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfdls
+from tfdls.boundaries import registry as boundaries_lib
 
 NAN = float("nan")
 
@@ -59,9 +60,13 @@ def test_the_inner_optimizer_is_checked_before_the_scale():
         tfdls.LossScaleOptimizer("sgd", loss_scale=-1.0)
 
 
+def _plain_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((2,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+
+
 def _model():
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2), keras.layers.Dense(1)])
-    return tfdls.add_scale_boundaries(model)
+    return tfdls.add_scale_boundaries(_plain_model())
 
 
 @pytest.mark.parametrize("order", ["outside_last", "outside_first"])
@@ -78,13 +83,27 @@ def test_a_variable_outside_the_boundaries_model_keeps_being_refused(order):
 
 
 def test_set_scale_boundaries_after_build_keeps_nothing_when_it_fails():
-    model = _model()
+    """Nothing kept, the boundaries' ownership included: owned, they would multiply every
+    gradient that crosses them by 2**3 with no optimizer to divide it out."""
+    model = tfdls.add_scale_boundaries(_plain_model(), initial_log2_factor=3)
     outside = keras.Variable([1.0], name="outside")
     opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1))
     opt.build(list(model.trainable_variables) + [outside])
     with pytest.raises(ValueError, match="'outside' is not in the model"):
         opt.set_scale_boundaries(model)
     assert opt._boundary_scales is None
+    assert not any(boundaries_lib.owned_boundaries_above(v) for v in model.trainable_variables)
+    x = tf.constant([[1.0, 2.0]])
+    plain = _plain_model()
+    for variable, value in zip(plain.trainable_variables, model.trainable_variables):
+        variable.assign(value)
+    gradients = []
+    for m in (model, plain):
+        with tf.GradientTape() as tape:
+            out = tf.reduce_sum(m(x))
+        gradients.append(tape.gradient(out, m.trainable_variables))
+    for got, want in zip(*gradients):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
 def _checkpoint_keys(optimizer, tmp_path, name):
