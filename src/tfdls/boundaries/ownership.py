@@ -44,11 +44,10 @@ def record_factors(boundaries) -> None:
         # the reads after it: an element of one vector, read at a constant index,
         # made every boundary's backward pass a kernel of its own, while equal
         # boundaries' own scalar readings compile to one kernel.
-        for boundary in boundaries:
-            boundary._ownership.recorded_exponent.assign(boundary.exponent())
-        return
-    exponents = current_exponents(boundaries)
-    for boundary, exponent in zip(boundaries, tf.unstack(exponents, len(boundaries))):
+        exponents = [boundary.exponent() for boundary in boundaries]
+    else:
+        exponents = tf.unstack(current_exponents(boundaries), len(boundaries))
+    for boundary, exponent in zip(boundaries, exponents):
         boundary._ownership.recorded_exponent.assign(exponent)
 
 
