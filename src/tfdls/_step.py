@@ -1,13 +1,14 @@
 """One `LossScaleOptimizer` step, as one pipeline.
 
-`run` reads top to bottom as the step runs: the gradients given (None ones
-set aside once), summed over the replicas in float16 where the plan says so
-(`tfdls._distribute`: the scaled gradients, before anything else), divide
-each by what multiplied it (the scale `scale_loss` recorded, see
-`tfdls._record`), decide (a `tfdls._decision.Decision`), step
-the scale, record, then apply or skip. It returns the plan that ran: the
-`StepPlan` it was given, or that plan with a ``cond`` where the masked
-update's audit failed.
+`run` reads top to bottom as the step runs, in two stages. `begin` reads:
+the gradients given (None ones set aside once), the scale that multiplied
+them (the one `scale_loss` recorded, see `tfdls._record`), summed over the
+replicas in float16 where the plan says so (`tfdls._distribute`: the scaled
+gradients, before anything else). `finish` divides each by what multiplied
+it, decides (a `tfdls._decision.Decision`), steps the scale, records, then
+applies or skips. It returns the plan that ran: the `StepPlan` it was given,
+or that plan with a ``cond`` where the masked update's audit failed. A
+compiled apply (`run_compiled`) runs `finish` as its own XLA cluster.
 
 Per-layer scales plug in through one object, the optimizer's
 `BoundaryScales` (None without boundaries): `begin_step` returns this
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Any
 
 import tensorflow as tf
 
@@ -30,6 +32,35 @@ from tfdls._plan import AllReduce, Skip
 
 def run(opt, plan, grads, variables):
     """Executes `plan` for one `apply` of `grads` to `variables`; returns the plan that ran."""
+    begun = begin(opt, plan, grads, variables)
+    return finish(opt, plan, begun, begun.grads, variables)
+
+
+@dataclasses.dataclass(frozen=True)
+class Begun:
+    """What a step reads before it divides (`begin`).
+
+    Attributes:
+        present: the indices of the gradients that are not None.
+        positions: per variable, its index among the optimizer's.
+        live: the loss scale now.
+        division: how this step divides by the scale (`tfdls._division.Division`).
+        grads: the gradients to divide (summed in float16 where the plan says so).
+        boundary: the boundaries' part of the step (`BoundaryStep`), or None.
+    """
+
+    present: list
+    positions: list
+    live: Any
+    division: _division.Division
+    grads: list
+    boundary: Any
+
+
+def begin(opt, plan, grads, variables, cluster=False):
+    """The step's reads: the scale that multiplied the gradients, whether they are already
+    unscaled, the boundaries' factors; `cluster`: the rest runs in an XLA cluster of its
+    own (see `run_compiled`)."""
     present = [i for i, g in enumerate(grads) if g is not None]
     positions = opt._positions(variables)
     # The scale the gradients were multiplied by: recorded by scale_loss, not
@@ -40,15 +71,23 @@ def run(opt, plan, grads, variables):
     # The unscaling rule, at run time: divide by 1 if get_unscaled_gradients
     # already divided this step's gradients.
     division = _division.Division(scale, opt._unscaling.consume(), plan.division)
-    # What `overwrite_with_gradient` variables take (never all-reduced, as in Keras).
-    as_value = division.as_value
-    summed = plan.all_reduce == AllReduce.FLOAT16
-    if summed:
+    if plan.all_reduce == AllReduce.FLOAT16:
         grads, division = _sum_in_float16(grads, present, plan, division)
     boundary = None
     if opt._boundary_scales is not None:
-        boundary = opt._boundary_scales.begin_step(division, positions, opt.iterations, grads)
+        boundary = opt._boundary_scales.begin_step(division, positions, opt.iterations, grads,
+                                                   cluster=cluster)
+    return Begun(present, positions, live, division, list(grads), boundary)
 
+
+def finish(opt, plan, begun, grads, variables):
+    """Divides, decides, steps the scale, records, then applies or skips; returns the plan
+    that ran."""
+    present, positions, division, boundary = (begun.present, begun.positions, begun.division,
+                                               begun.boundary)
+    # What `overwrite_with_gradient` variables take (never all-reduced, as in Keras).
+    as_value = division.as_value
+    summed = plan.all_reduce == AllReduce.FLOAT16
     unscaled = [None] * len(grads)
     for i in present:
         if not plan.divide[i]:
@@ -58,8 +97,8 @@ def run(opt, plan, grads, variables):
         else:
             unscaled[i] = boundary.divide(grads[i], i)
     checked = grads if plan.check == "scaled" else unscaled
-    decision = _decide(opt, grads, checked, unscaled, variables, present, positions, live,
-                       boundary, plan)
+    decision = _decide(opt, grads, checked, unscaled, variables, present, positions,
+                       begun.live, boundary, plan)
     if opt._stats is not None:
         _record_stats(opt, plan, grads, checked, present, positions, division, boundary,
                       decision)
@@ -84,17 +123,32 @@ def _sum_in_float16(grads, present, plan, division):
 
 
 def run_compiled(opt, plan, grads, variables):
-    """`run` as its own XLA cluster: check, division and update fuse."""
-    present = [i for i, g in enumerate(grads) if g is not None]
+    """`run` with its division, check and update as their own XLA cluster, where they fuse.
+
+    The step's reads (`begin`) run before the cluster and the boundaries' new
+    factors are written after it, so every value per boundary enters and
+    leaves the cluster as an argument or a result. XLA compiles a kernel per
+    distinct fusion: a divisor sliced from a vector at a constant index made
+    each update below a boundary a kernel of its own, and each boundary's
+    write another (at 100 boundaries about 300 kernels, a third of the first
+    `fit`'s memory); read as arguments, equal updates compile once.
+    """
+    inner = dataclasses.replace(plan, compile=False)
+    begun = begin(opt, inner, grads, variables, cluster=True)
     ran = []
 
     def compiled_step(present_grads):
         full = [None] * len(grads)
-        for i, g in zip(present, present_grads):
+        for i, g in zip(begun.present, present_grads):
             full[i] = g
-        ran.append(run(opt, dataclasses.replace(plan, compile=False), full, variables))
+        ran.append(finish(opt, inner, begun, full, variables))
+        boundary = begun.boundary
+        return () if boundary is None or boundary.written is None else boundary.written
 
-    tf.function(compiled_step, jit_compile=True, autograph=False)([grads[i] for i in present])
+    written = tf.function(compiled_step, jit_compile=True, autograph=False)(
+        [grads[i] for i in begun.present])
+    if written:
+        opt._boundary_scales.write(*written)
     return dataclasses.replace(ran[-1], compile=True)
 
 

@@ -126,7 +126,6 @@ def _distinct_batch_kernels(depth):
     """The distinct fused computations that touch the batch (the forward and backward
     passes) in the optimized HLO of one whole-step XLA compile of `depth` Dense(8, sigmoid)
     layers with a boundary after each, batch 5 (names and metadata left out)."""
-    import re
     import warnings
 
     import keras
@@ -151,6 +150,14 @@ def _distinct_batch_kernels(depth):
         warnings.simplefilter("ignore")
         hlo = tf.function(step, jit_compile=True).experimental_get_compiler_ir(
             tf.ones([5, 8]))(stage="optimized_hlo")
+    return {b for b in _fused_bodies(hlo) if "[5,8]" in b}
+
+
+def _fused_bodies(hlo):
+    """The distinct fused computations of optimized HLO text, names and metadata left out:
+    XLA's CPU backend compiles one kernel per distinct fusion."""
+    import re
+
     bodies, body = set(), None
     for line in hlo.splitlines():
         if line.startswith(("%fused", "fused")) and line.rstrip().endswith("{"):
@@ -160,7 +167,7 @@ def _distinct_batch_kernels(depth):
             body = None
         elif body is not None:
             body.append(re.sub(r"%[\w.\-]+", "%", re.sub(r", metadata=\{[^}]*\}", "", line)))
-    return {b for b in bodies if "[5,8]" in b}
+    return bodies
 
 
 def test_equal_boundaries_backward_passes_compile_to_one_kernel_under_xla():
@@ -172,4 +179,49 @@ def test_equal_boundaries_backward_passes_compile_to_one_kernel_under_xla():
     more kernels to compile)."""
     shallow, deep = _distinct_batch_kernels(8), _distinct_batch_kernels(12)
     assert shallow  # the forward and backward passes were found
+    assert len(deep) == len(shallow), (len(shallow), len(deep))
+
+
+# One graph-mode step whose apply is compiled on its own (jit_compile=True), its
+# optimized HLO dumped by XLA (XLA_FLAGS is read when TensorFlow starts: a process of its own).
+_COMPILED_APPLY = """
+import glob, os, sys, tempfile
+dump = tempfile.mkdtemp()
+os.environ["XLA_FLAGS"] = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import keras, tensorflow as tf, tfdls
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(8, activation="sigmoid")
+                                               for _ in range(int(sys.argv[1]))])
+model = tfdls.add_scale_boundaries(model, every=1)
+optimizer = tfdls.LossScaleOptimizer(keras.optimizers.SGD(), scale_boundaries=model,
+                                     jit_compile=True)
+@tf.function
+def step(x):
+    with tf.GradientTape() as tape:
+        loss = optimizer.scale_loss(tf.reduce_sum(model(x)))
+    optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+step(tf.ones([5, 8]))
+assert optimizer.step_plan.compile, optimizer.step_plan
+for name in glob.glob(os.path.join(dump, "*after_optimizations.txt")):
+    print(open(name).read())
+"""
+
+
+def _compiled_apply_kernels(depth):
+    result = subprocess.run([sys.executable, "-c", _COMPILED_APPLY, str(depth)],
+                            capture_output=True, text=True, timeout=300, check=True)
+    assert "compiled_step" in result.stdout  # the apply's cluster was dumped
+    return _fused_bodies(result.stdout)
+
+
+def test_equal_boundaries_updates_compile_to_one_kernel_in_a_compiled_apply():
+    """In graph mode a compiled apply is an XLA cluster of its own: the divisors per
+    boundary enter it as arguments and the new factors leave it as results, so the
+    updates of equal layers are equal fusions, compiled once. When the cluster sliced
+    each divisor from a vector and each new factor for its write at a constant index,
+    both were a kernel per boundary (at 100 boundaries, about 300 kernels: a third of
+    the first `fit`'s peak memory)."""
+    shallow, deep = _compiled_apply_kernels(8), _compiled_apply_kernels(12)
+    assert shallow
     assert len(deep) == len(shallow), (len(shallow), len(deep))

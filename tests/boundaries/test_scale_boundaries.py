@@ -735,12 +735,15 @@ def snapshot(model, optimizer):
             + [optimizer.iterations.numpy()])
 
 
-@pytest.mark.parametrize("mode", MODES)
+# "compiled_apply": graph mode, the apply compiled as an XLA cluster of its own, which
+# reads the factors before it and writes the new ones after it (`tfdls._step.run_compiled`).
+@pytest.mark.parametrize("mode", MODES + ["compiled_apply"])
 def test_overflow_below_a_boundary_lowers_it_and_skips_exactly(mode):
     model = tfdls.add_scale_boundaries(dense_stack(3), every=1, initial_log2_factor=3,
                                        min_log2_factor=0)
     optimizer = tfdls.LossScaleOptimizer(keras.optimizers.Adam(0.1), tfdls.DynamicLossScale(2.0**10),
-                                         scale_boundaries=model)
+                                         scale_boundaries=model,
+                                         jit_compile=True if mode == "compiled_apply" else "auto")
     b_low, b_top = [layer for layer in model.layers if isinstance(layer, tfdls.ScaleBoundary)]
 
     def step(magnitudes):
@@ -748,6 +751,7 @@ def test_overflow_below_a_boundary_lowers_it_and_skips_exactly(mode):
         if mode != "eager":
             fn = tf.function(fn, jit_compile=mode == "xla")
         fn()
+        assert optimizer.step_plan.compile == (mode == "compiled_apply")
 
     finite = {"d0": 1.0, "d1": 1.0, "d2": 1.0}
     step(finite)  # builds; first adjustment
@@ -778,14 +782,16 @@ def test_overflow_below_a_boundary_lowers_it_and_skips_exactly(mode):
     assert optimizer.loss_scale().numpy() == scale / 4
 
 
-def test_headroom_adjustment_in_a_real_step():
+@pytest.mark.parametrize("jit_compile", ["auto", True])
+def test_headroom_adjustment_in_a_real_step(jit_compile):
     model = tfdls.add_scale_boundaries(dense_stack(3), every=1, margin_bits=1.0)
     optimizer = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.0), tfdls.DynamicLossScale(2.0**10),
-                                         scale_boundaries=model)
+                                         scale_boundaries=model, jit_compile=jit_compile)
     b_low, b_top = [layer for layer in model.layers if isinstance(layer, tfdls.ScaleBoundary)]
     # Largest scaled elements: top 2**3 * 1.5, middle 2**-4, low 2**-9 * 1.2.
     tf.function(lambda: crafted_step(optimizer, model,
                                      {"d2": 12.0, "d1": 2.0**-4, "d0": 2.0**-9 * 1.2}))()
+    assert optimizer.step_plan.compile == (jit_compile is True)
     # Top moves its block from exponent -4 to 3 - 1 = 2: +6; the low block
     # from -9 to 2: +11 in total, 5 of them its own.
     assert b_top.log2_factor.numpy() == 6.0

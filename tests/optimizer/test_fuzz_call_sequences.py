@@ -1030,7 +1030,14 @@ def test_padding_heavy_embedding_full_budget(program):
 WIDTHS = (3, 4, 3, 2)
 BATCH = 2
 BOUNDARY_LR = 0.125
-BOUNDARY_MODES = ("eager", "function", "xla")
+# "compiled_apply": a tf.function whose optimizers compile apply() as an XLA cluster
+# of its own (jit_compile=True), which reads the factors before and writes them after.
+BOUNDARY_MODES = ("eager", "function", "xla", "compiled_apply")
+
+
+def _apply_jit(mode):
+    """The optimizers' jit_compile in a boundary mode."""
+    return True if mode == "compiled_apply" else "auto"
 
 
 def _boundary_model(seed, exponents):
@@ -1134,7 +1141,8 @@ def _run_owners(program):
     for k, how in enumerate(program.given):
         opt = tfdls.LossScaleOptimizer(
             keras.optimizers.SGD(BOUNDARY_LR), tfdls.DynamicLossScale(2.0 ** program.scales[k]),
-            scale_boundaries=model if how == "constructor" else None)
+            scale_boundaries=model if how == "constructor" else None,
+            jit_compile=_apply_jit(program.mode))
         if how == "set":
             opt.set_scale_boundaries(model)
         opt.build(groups[k])
@@ -1177,6 +1185,8 @@ _BOUNDARY_ONES = dict(x=((-1.0,) * WIDTHS[0],) * BATCH, cy=((-1.0,) * WIDTHS[-1]
 @given(program=_owners_programs())
 @example(program=OwnersProgram("function", ("constructor", "set"), (0, 0, 0, 0, 1, 1), (1, 0),
                                (1, 2), (0, 3), 0, **_BOUNDARY_ONES))
+@example(program=OwnersProgram("compiled_apply", ("constructor", "set"), (0, 1, 1, 0, 1, 0),
+                               (1, 0), (3, 2), (2, 0), 1, **_BOUNDARY_ONES))
 def test_two_optimizers_given_one_model_with_boundaries(program):
     _run_owners(program)
 
@@ -1231,7 +1241,7 @@ def _run_aux(program):
     variables = model.trainable_variables
     opt = tfdls.LossScaleOptimizer(
         keras.optimizers.SGD(BOUNDARY_LR), tfdls.DynamicLossScale(2.0**program.scale),
-        scale_boundaries=model)
+        scale_boundaries=model, jit_compile=_apply_jit(program.mode))
     dense = [layer for layer in model.layers if isinstance(layer, keras.layers.Dense)]
     cut_layer = dense[program.cut]
     if program.variant == "layers":  # the Dense layers below the cut, called by hand
@@ -1293,6 +1303,8 @@ def _run_aux(program):
                             ca=((-1.0,) * WIDTHS[2],) * BATCH, **_BOUNDARY_ONES))
 @example(program=AuxProgram("function", "tf_keras", "submodel", 0, (2, 1), 3, 1, 2,
                             ca=((0.5,) * WIDTHS[1],) * BATCH, **_BOUNDARY_ONES))
+@example(program=AuxProgram("compiled_apply", "keras3", "placed_layers", 1, (4, 2), 2, 2, 2,
+                            ca=((-1.0,) * WIDTHS[2],) * BATCH, **_BOUNDARY_ONES))
 def test_auxiliary_loss_below_boundaries(program):
     _run_aux(program)
 

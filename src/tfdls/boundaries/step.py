@@ -147,7 +147,25 @@ class BoundaryScales(tf.Module):
         return tf.concat([[0.0], below], 0)
 
     def update(self, exponents, totals, is_finite, segment_bad, segment_exponent, iterations):
-        """In-step, branch-free: the new exponents, and whether the global scale shrinks.
+        """In-step, branch-free: writes the new exponents (`adapted`, then `write`); returns
+        whether the global scale shrinks."""
+        new, lowered, global_shrinks = self.adapted(exponents, totals, is_finite, segment_bad,
+                                                    segment_exponent, iterations)
+        self.write(new, lowered)
+        return global_shrinks
+
+    def write(self, new, lowered):
+        """Writes each boundary's new exponent (a float32 vector) and the record of the
+        boundaries lowered on the last skipped step (a bool vector)."""
+        if not self.boundaries:
+            return
+        for b, value in zip(self.boundaries, tf.unstack(new, len(self.boundaries))):
+            b.log2_factor.assign(value)
+        self.lowered.assign(lowered)
+
+    def adapted(self, exponents, totals, is_finite, segment_bad, segment_exponent, iterations):
+        """In-step, branch-free: the new exponents, the new record of the boundaries lowered,
+        and whether the global scale shrinks; writes nothing.
 
         Vector operations over all boundaries: a handful to lower on a skipped
         step, a handful per level of nesting to place the factors.
@@ -163,12 +181,15 @@ class BoundaryScales(tf.Module):
             iterations: the optimizer's applied steps before this one.
 
         Returns:
+            new: per boundary, its new exponent (float32).
+            lowered: per boundary, whether the last skipped step (this one, if
+                skipped) lowered it.
             global_shrinks: a scalar bool.
         """
         tree = self._tree
         count = tree.count
         if not count:
-            return segment_bad[0]
+            return tf.zeros([0]), tf.zeros([0], tf.bool), segment_bad[0]
         bad_below = segment_bad[1:]
 
         # Skipped step: for each bad block, along its chain (nearest first),
@@ -233,10 +254,7 @@ class BoundaryScales(tf.Module):
 
         skipped_values = tf.where(lower, exponents - 1.0, exponents)
         new = tf.where(is_finite, finite_values, skipped_values)
-        for b, value in zip(self.boundaries, tf.unstack(new, count)):
-            b.log2_factor.assign(value)
-        self.lowered.assign(tf.where(is_finite, self.lowered, lower))
-        return global_shrinks
+        return new, tf.where(is_finite, self.lowered, lower), global_shrinks
 
     def segment_figures(self, counts, largest, positions):
         """Per segment (vectors): any non-finite gradient, and the binary exponent of its
@@ -269,7 +287,7 @@ class BoundaryScales(tf.Module):
         bound = max(abs(layers.MIN_LOG2_FACTOR), layers.MAX_LOG2_FACTOR)
         return 128 + bound * depth
 
-    def divisors(self, divisor, already_unscaled, positions, totals=None, dtypes=()):
+    def divisors(self, divisor, already_unscaled, positions, totals=None, dtypes=(), in_xla=None):
         """Per position: None (no boundary above it), or ``(exponent, pieces, reciprocal)``
         to divide its gradient by with `divide`; and per segment below a boundary, as
         vectors, ``(exponents, pieces)`` (None without such segments).
@@ -281,7 +299,8 @@ class BoundaryScales(tf.Module):
         of each of `dtypes`, the gradients' dtypes) to the
         `_division.reciprocal_pieces_for` that bound (None outside XLA);
         outside XLA, `reciprocal` is `_division.reciprocal_float64` of the
-        exponent (None inside).
+        exponent (None inside). `in_xla`: whether the gradients are divided inside
+        XLA (default: whether this trace is).
         """
         if totals is None:
             totals = self.totals(self.recorded_exponents())
@@ -292,7 +311,8 @@ class BoundaryScales(tf.Module):
         exponents = tf.where(already_unscaled, tf.zeros_like(exponents), exponents)
         # Computed once: every gradient's division reads a segment of these.
         exponents, = _compat.computed_once(exponents)
-        in_xla = _compat.in_xla_context()
+        if in_xla is None:
+            in_xla = _compat.in_xla_context()
         # Outside XLA, one float64 power of two per segment, not one per gradient.
         reciprocals = ([None] * segments if in_xla
                        else tf.unstack(_division.reciprocal_float64(exponents), segments))
@@ -307,9 +327,10 @@ class BoundaryScales(tf.Module):
                     stacked, = _compat.computed_once(tf.stack(_division.reciprocal_pieces_for(
                         dtype, exponents, self.max_exponent), axis=1))
                     pieces[bound] = tf.unstack(stacked, axis=1)
-                    per_segment = tf.unstack(stacked, segments)
-                    for (_, by_bound, _), p in zip(by_segment, per_segment):
-                        by_bound[bound] = tf.unstack(p)
+                    # Per piece, its segments' values: a few unstacks, not one per segment.
+                    per_piece = [tf.unstack(p, segments) for p in pieces[bound]]
+                    for k, (_, by_bound, _) in enumerate(by_segment):
+                        by_bound[bound] = [p[k] for p in per_piece]
         per_position = [None if self.segment_of[p] == 0 else by_segment[self.segment_of[p] - 1]
                         for p in positions]
         return per_position, (exponents, pieces)
@@ -349,10 +370,10 @@ class BoundaryScales(tf.Module):
                 "layer above every boundary, or move the boundary below this layer."
             )
 
-    def begin_step(self, division, positions, iterations, grads):
+    def begin_step(self, division, positions, iterations, grads, cluster=False):
         """This step's part of the boundaries (`BoundaryStep`), for `grads`, the gradients
-        of the variables at `positions`."""
-        return BoundaryStep(self, division, positions, iterations, _dtypes_of(grads))
+        of the variables at `positions`; `cluster`: see `BoundaryStep`."""
+        return BoundaryStep(self, division, positions, iterations, _dtypes_of(grads), cluster)
 
 
 class BoundaryStep:
@@ -363,16 +384,24 @@ class BoundaryStep:
     then answers the step's questions: each gradient's divisor, the check
     (each gradient divided by its own divisor, once, through its largest
     magnitude), the adaptation, and the factors for gradient statistics.
+
+    With `cluster`, it is made before the XLA cluster of a compiled apply
+    (`tfdls._step.run_compiled`), where the rest of the step runs: the
+    divisors are made for XLA, and `adapt` leaves its writes to the caller
+    (`written`, for `BoundaryScales.write` after the cluster).
     """
 
-    def __init__(self, scales, division, positions, iterations, dtypes):
+    def __init__(self, scales, division, positions, iterations, dtypes, cluster=False):
         self.scales = scales
         self.division = division
         self.iterations = iterations
+        self.cluster = cluster
+        self.written = None  # with `cluster`: the new state `adapt` computed
         self.exponents = scales.exponents()
         self.totals = scales.totals(scales.recorded_exponents())
         self.per_position, self.segment_divisors = scales.divisors(
-            division.divisor, division.already_unscaled, positions, self.totals, dtypes)
+            division.divisor, division.already_unscaled, positions, self.totals, dtypes,
+            in_xla=True if cluster else None)
         self.segments = [scales.segment_of[p] for p in positions]
 
     def divisor_of(self, i):
@@ -451,8 +480,13 @@ class BoundaryStep:
         scale_bits = tf.cast(_division.exponent_of(self.division.scale), tf.float32)
         largest_exponents = largest_exponents + tf.where(
             self.division.already_unscaled, scale_bits + self.totals, 0.0)
-        return scales.update(self.exponents, self.totals, is_finite, bad, largest_exponents,
-                             self.iterations)
+        new, lowered, global_shrinks = scales.adapted(
+            self.exponents, self.totals, is_finite, bad, largest_exponents, self.iterations)
+        if self.cluster:
+            self.written = (new, lowered)
+        else:
+            scales.write(new, lowered)
+        return global_shrinks
 
 
 def _dtypes_of(grads):
