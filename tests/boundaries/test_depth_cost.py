@@ -11,8 +11,10 @@ the end of `fit`, and the process' peak resident set size; in graph mode and
 with the whole step compiled by XLA.
 
 Measured on a shared 2-core Xeon (benchmarks/depth.py, docs/per-layer-scales.md):
-about 2x the CPU time and 1.5x the peak in both modes; the bounds leave room for
-a loaded machine and catch what grows faster than linearly, not 10%.
+1.7x the CPU time and 1.1x the peak in graph mode, 2.1x and 1.5x under XLA; the
+bounds leave room for a loaded machine and catch what grows faster than
+linearly, not 10% (in graph mode the peak bound catches a compiled apply whose
+updates are kernels of their own again: 1.46x).
 """
 
 import json
@@ -22,7 +24,7 @@ import sys
 import pytest
 
 # Per mode: (CPU time, peak memory), at most this multiple of the global scale's.
-MAX_RATIOS = {"graph": (3.0, 1.75), "xla": (3.5, 1.9)}
+MAX_RATIOS = {"graph": (3.0, 1.35), "xla": (3.5, 1.9)}
 
 _SCRIPT = """
 import json, os, resource, sys
