@@ -224,6 +224,26 @@ check_versions()
 ) = _lookup()
 
 
+def user_stacklevel():
+    """The `warnings.warn` stacklevel, for its caller, of the first frame outside tfdls,
+    TensorFlow, Keras and AutoGraph's generated code: the user's line (a `fit` or a
+    step function's call), however many of their frames lie between."""
+    import os
+
+    import keras
+    import tensorflow as tf
+
+    internal = tuple(os.path.dirname(os.path.abspath(path)) + os.sep
+                     for path in (tf.__file__, keras.__file__, __file__))
+    # tf_keras (Keras 2), where installed beside TensorFlow.
+    internal += (os.path.join(os.path.dirname(internal[0].rstrip(os.sep)), "tf_keras") + os.sep,)
+    frame, level = sys._getframe(1), 1  # level 1: the caller of warnings.warn
+    while frame is not None and (frame.f_code.co_filename.startswith(internal)
+                                 or "__autograph_generated_file" in frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def in_xla_context():
     """True while tracing inside an XLA-compiled function (no public equivalent)."""
     import tensorflow as tf

@@ -23,6 +23,8 @@ import weakref
 
 import tensorflow as tf
 
+from tfdls import _compat
+
 
 class UnscaledLossWarning(UserWarning):
     """`apply` received gradients of a loss that this optimizer's `scale_loss` did not scale.
@@ -93,7 +95,7 @@ class ScaledLossWatch:
             "silence this with warnings.filterwarnings('ignore', "
             "category=tfdls.UnscaledLossWarning).",
             UnscaledLossWarning,
-            stacklevel=4,
+            stacklevel=_compat.user_stacklevel(),
         )
 
     def _traced_in_enclosing_graph(self):

@@ -145,8 +145,9 @@ def run_compiled(opt, plan, grads, variables):
         boundary = begun.boundary
         return () if boundary is None or boundary.written is None else boundary.written
 
+    # The gradients as `begin` left them (summed in float16, where the plan says so).
     written = tf.function(compiled_step, jit_compile=True, autograph=False)(
-        [grads[i] for i in begun.present])
+        [begun.grads[i] for i in begun.present])
     if written:
         opt._boundary_scales.write(*written)
     return dataclasses.replace(ran[-1], compile=True)
@@ -244,7 +245,7 @@ def _warn_fallback(opt, reason):
         f"shown to skip exactly without a branch ({reason}); this step skips with a "
         "tf.cond instead, which waits for the device on every step.",
         RuntimeWarning,
-        stacklevel=5,  # past tfdls' own frames (apply, run, _apply_or_skip)
+        stacklevel=_compat.user_stacklevel(),
     )
 
 

@@ -45,6 +45,8 @@ def test_forgetting_scale_loss_warns_once_with_the_fix(mode):
     assert len(caught) == 1
     message = str(caught[0].message)
     assert "scale_loss" in message and "UnscaledLossWarning" in message
+    # Attributed to the user's code (this file), not to a tfdls or TensorFlow frame.
+    assert caught[0].filename == __file__
 
 
 @pytest.mark.parametrize("style", ["keras3", "tf_keras"])

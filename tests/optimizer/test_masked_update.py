@@ -165,9 +165,9 @@ class DirectWriter(keras.optimizers.SGD):
         variable.assign(variable - tf.cast(gradient, variable.dtype) * lr)
 
 
-def _poisoned_run(inner):
+def _poisoned_run(inner, jit_compile=False):
     variables = _variables()
-    opt = tfdls.LossScaleOptimizer(inner, jit_compile=False)
+    opt = tfdls.LossScaleOptimizer(inner, jit_compile=jit_compile)
     step = tf.function(lambda g: opt.apply(g, variables))
     step([tf.ones([4, 3]), tf.ones([3])])
     before = _bits(variables + inner.variables)
@@ -184,14 +184,19 @@ def test_a_class_not_on_the_list_takes_the_cond():
     assert _bits(variables + opt.inner_optimizer.variables) == before
 
 
-def test_an_unknown_write_fails_the_audit_and_falls_back_loudly(monkeypatch):
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_an_unknown_write_fails_the_audit_and_falls_back_loudly(monkeypatch, jit_compile):
     # Pretend a future Keras class wrote a variable tfdls does not know of.
     monkeypatch.setattr(_masked_update, "SUPPORTED", _masked_update.SUPPORTED | {SideCounter})
     inner = SideCounter(0.1)
     # (The op's scope is the class name, 'SGD' in older Keras.)
     cause = r"AssignAddVariableOp '\w+/\S+' writes a variable that is neither trainable"
-    with pytest.warns(RuntimeWarning, match=r"could not be shown to skip exactly.*" + cause):
-        opt, variables, before = _poisoned_run(inner)
+    with pytest.warns(RuntimeWarning,
+                      match=r"could not be shown to skip exactly.*" + cause) as caught:
+        opt, variables, before = _poisoned_run(inner, jit_compile)
+    # Attributed to the user's code (here, this file), not to a tfdls or TensorFlow frame.
+    assert [w.filename for w in caught if "could not be shown" in str(w.message)] == [__file__]
+    assert opt.step_plan.compile == jit_compile
     # Planned masked, refused by the audit: the plan says what ran.
     assert opt.step_plan.skip == "cond"
     assert "the audit failed" in opt.step_plan.reason
