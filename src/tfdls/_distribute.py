@@ -53,8 +53,11 @@ def has_strategy():
 
 
 def needs_merge_call():
-    """True where Keras' optimizers synchronize replicas through `merge_call`."""
-    return has_strategy() and not _compat.strategy_supports_no_merge_call()
+    """True where Keras' optimizers synchronize replicas through `merge_call`: under a
+    strategy that does not run updates without it, with one replica too (Keras calls
+    `merge_call` under a one-GPU `MirroredStrategy` as well, and TensorFlow refuses one
+    inside a nested function or a branch)."""
+    return tf.distribute.has_strategy() and not _compat.strategy_supports_no_merge_call()
 
 
 def in_cross_replica_context():
@@ -133,13 +136,12 @@ def apply_if(should_apply, apply_fn, args=()):
 
         return tf.cond(pred, apply_branch, lambda: tf.constant(False))
 
-    if not has_strategy():
+    if not needs_merge_call():
+        if has_strategy():
+            _check_replica_context()
         conditional(should_apply, *args)
         return
     _check_replica_context()
-    if not needs_merge_call():
-        conditional(should_apply, *args)
-        return
 
     def cross_replica_conditional(strategy, pred, *per_replica_args):
         # Every replica holds the same decision; take the first one.

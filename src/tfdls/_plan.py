@@ -160,10 +160,11 @@ def plan_step(
 
     if in_function and _distribute.needs_merge_call():
         _check_accumulation_under_merge_call(inner_optimizer)
-    if jit_compile is True and in_function and not in_xla and _distribute.has_strategy():
+    if jit_compile is True and in_function and not in_xla and (
+            _distribute.has_strategy() or _distribute.needs_merge_call()):
         raise ValueError(
             "LossScaleOptimizer(jit_compile=True) cannot compile apply() on its own under "
-            f"a tf.distribute strategy with {_distribute.replicas_in_sync()} replicas: the "
+            f"a tf.distribute strategy with {_replicas(_distribute.replicas_in_sync())}: the "
             "replicas agree through cross-replica calls that an XLA cluster cannot hold. "
             "Compile the whole step instead (model.compile(jit_compile=True) or "
             "tf.function(jit_compile=True)), or use jit_compile='auto' or False."
@@ -222,6 +223,10 @@ def plan_step(
 # Adam update saved about 4 ms per step (2 cores), while compiling an apply
 # of a Transformer's 36 variables cost its first step 5 to 6 s.
 AUTO_COMPILE_MIN_ELEMENTS = 2**18
+
+
+def _replicas(count):
+    return f"{count} replica" if count == 1 else f"{count} replicas"
 
 
 def _gradient_elements(grads, trainable_variables):

@@ -300,3 +300,72 @@ def test_a_replica_sum_that_could_overflow_skips_the_step(mirrored_strategy, bou
             for copy in _local(strategy, v):
                 np.testing.assert_array_equal(
                     copy, np.full(v.shape, -(first + second), "float16"))
+
+
+# -- one replica ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("jit_compile", ["auto", False])
+def test_one_replica_mirrored_strategy_steps_and_skips(jit_compile):
+    """`MirroredStrategy()` on a one-GPU machine has one replica, and Keras' optimizers
+    call `merge_call` there too: the step takes the cross-replica cond, as with several
+    replicas (a masked update's audit traced the `merge_call` in a nested function, which
+    TensorFlow refuses: every step raised)."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    assert strategy.num_replicas_in_sync == 1
+    with strategy.scope():
+        w = keras.Variable(np.ones(3, np.float32), name="w")
+        opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.5), jit_compile=jit_compile)
+        opt.build([w])
+
+    @tf.function
+    def step(factor):
+        def replica():
+            with tf.GradientTape() as tape:
+                loss = opt.scale_loss(tf.reduce_sum(w * w) * factor)
+            opt.apply(tape.gradient(loss, [w]), [w])
+
+        strategy.run(replica)
+
+    step(tf.constant(0.25))  # gradient 0.5 * w: w becomes 0.75
+    np.testing.assert_array_equal(w.numpy(), np.full(3, 0.75, np.float32))
+    scale = float(opt.loss_scale().numpy())
+    step(tf.constant(np.inf))
+    assert opt.step_plan.skip == "cond"
+    np.testing.assert_array_equal(w.numpy(), np.full(3, 0.75, np.float32))  # skipped
+    assert float(opt.loss_scale().numpy()) == scale / 2
+    assert int(opt.iterations.numpy()) == 1
+
+
+def test_one_replica_mirrored_strategy_fit_trains():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = x @ np.arange(1.0, 5.0, dtype="float32")[:, None]
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.05)), "mse",
+                      jit_compile=False)
+    losses = model.fit(x, y, batch_size=16, epochs=5, verbose=0).history["loss"]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] / 4, losses
+
+
+def test_one_replica_mirrored_strategy_refuses_a_compiled_apply():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        w = keras.Variable(np.ones(3, np.float32), name="w")
+        opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.5), jit_compile=True)
+        opt.build([w])
+
+    @tf.function
+    def step():
+        def replica():
+            with tf.GradientTape() as tape:
+                loss = opt.scale_loss(tf.reduce_sum(w * w))
+            opt.apply(tape.gradient(loss, [w]), [w])
+
+        strategy.run(replica)
+
+    with pytest.raises(ValueError, match=r"jit_compile=True.*with 1 replica:"):
+        step()
