@@ -480,12 +480,12 @@ class BoundaryStep:
         scale_bits = tf.cast(_division.exponent_of(self.division.scale), tf.float32)
         largest_exponents = largest_exponents + tf.where(
             self.division.already_unscaled, scale_bits + self.totals, 0.0)
-        new, lowered, global_shrinks = scales.adapted(
-            self.exponents, self.totals, is_finite, bad, largest_exponents, self.iterations)
-        if self.cluster:
-            self.written = (new, lowered)
-        else:
-            scales.write(new, lowered)
+        arguments = (self.exponents, self.totals, is_finite, bad, largest_exponents,
+                     self.iterations)
+        if not self.cluster:
+            return scales.update(*arguments)
+        new, lowered, global_shrinks = scales.adapted(*arguments)
+        self.written = (new, lowered)  # written after the cluster
         return global_shrinks
 
 
