@@ -11,10 +11,11 @@ the end of `fit`, and the process' peak resident set size; in graph mode and
 with the whole step compiled by XLA.
 
 Measured on a shared 2-core Xeon (benchmarks/depth.py, docs/per-layer-scales.md):
-1.7x the CPU time and 1.1x the peak in graph mode, 2.1x and 1.5x under XLA; the
-bounds leave room for a loaded machine and catch what grows faster than
-linearly, not 10% (in graph mode the peak bound catches a compiled apply whose
-updates are kernels of their own again: 1.46x).
+1.7x the CPU time and 1.1x the peak in graph mode, 1.7x to 2x and 1.4x under
+XLA; the bounds leave room for a loaded machine and catch what grows faster
+than linearly, not 10% (in graph mode the peak bound catches a compiled apply
+whose updates are kernels of their own again: 1.46x; under XLA the fusion
+count below does).
 """
 
 import json
@@ -24,7 +25,7 @@ import sys
 import pytest
 
 # Per mode: (CPU time, peak memory), at most this multiple of the global scale's.
-MAX_RATIOS = {"graph": (3.0, 1.35), "xla": (3.5, 1.9)}
+MAX_RATIOS = {"graph": (3.0, 1.35), "xla": (3.0, 1.7)}
 
 _SCRIPT = """
 import json, os, resource, sys
@@ -124,10 +125,11 @@ def test_equal_layers_are_checked_and_divided_together(whole_step_xla):
     assert deep["Max"] - shallow["Max"] == 4
 
 
-def _distinct_batch_kernels(depth):
-    """The distinct fused computations that touch the batch (the forward and backward
-    passes) in the optimized HLO of one whole-step XLA compile of `depth` Dense(8, sigmoid)
-    layers with a boundary after each, batch 5 (names and metadata left out)."""
+def _distinct_whole_step_kernels(depth, shape):
+    """The distinct fused computations that touch `shape` (HLO text, "[5,8]": the batch,
+    the forward and backward passes; "f32[8,8]": the kernels' updates) in the optimized HLO
+    of one whole-step XLA compile of `depth` Dense(8, sigmoid) layers with a boundary
+    after each, batch 5 (names and metadata left out)."""
     import warnings
 
     import keras
@@ -152,7 +154,7 @@ def _distinct_batch_kernels(depth):
         warnings.simplefilter("ignore")
         hlo = tf.function(step, jit_compile=True).experimental_get_compiler_ir(
             tf.ones([5, 8]))(stage="optimized_hlo")
-    return {b for b in _fused_bodies(hlo) if "[5,8]" in b}
+    return {b for b in _fused_bodies(hlo) if shape in b}
 
 
 def _fused_bodies(hlo):
@@ -179,8 +181,21 @@ def test_equal_boundaries_backward_passes_compile_to_one_kernel_under_xla():
     layers are then equal, however many there are. When they read one vector of all the
     factors at a constant index, each was a kernel of its own (at 100 boundaries, 200
     more kernels to compile)."""
-    shallow, deep = _distinct_batch_kernels(8), _distinct_batch_kernels(12)
+    shallow, deep = _distinct_whole_step_kernels(8, "[5,8]"), _distinct_whole_step_kernels(12, "[5,8]")
     assert shallow  # the forward and backward passes were found
+    assert len(deep) == len(shallow), (len(shallow), len(deep))
+
+
+def test_equal_boundaries_updates_compile_to_one_kernel_under_whole_step_xla():
+    """Under whole-step XLA the divisors are computed in the step's one cluster: each
+    segment's reciprocal powers of two are divided in an operation of their own, which
+    XLA does not copy into the fusions that read them, so the updates of equal layers
+    below different boundaries are equal fusions, compiled once. When each update read
+    its divisor at a constant index of one vector, each was a kernel of its own (at 100
+    boundaries, 202 of the first `fit`'s 364 kernels)."""
+    shallow = _distinct_whole_step_kernels(12, "f32[8,8]")
+    deep = _distinct_whole_step_kernels(20, "f32[8,8]")
+    assert shallow  # the updates were found
     assert len(deep) == len(shallow), (len(shallow), len(deep))
 
 
