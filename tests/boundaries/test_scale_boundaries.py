@@ -1233,6 +1233,37 @@ def test_clipped_exponents_divide_bit_identically_to_the_full_chain(hypothesis):
     check()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_rows_of_reciprocals_are_the_bit_built_pieces_under_xla(dtype):
+    """Under whole-step XLA each segment's pieces are divided, `1.0 / row`, so that XLA
+    keeps them out of the updates' fusions: bit for bit the pieces `reciprocal_pieces`
+    builds from their bits, for every normal power of two and exponents to +-1628
+    (100 boundaries; float32 clipped to 3 pieces, float64 in 13)."""
+    from tfdls import _division
+
+    bound = 128 + 15 * 100
+
+    def reciprocals(j):  # every exponent of a piece
+        return 1.0 / _division.power_of_two(j)
+
+    every = tf.range(-126, 127)
+    got = tf.function(reciprocals, jit_compile=True)(every).numpy()
+    want = _division.power_of_two(-every).numpy()
+    assert got.view(np.int32).tolist() == want.view(np.int32).tolist()
+
+    exponents = tf.constant([0, 1, -1, 125, 126, 127, -126, -127, 252, 253, -253, 278, 279,
+                             -279, 300, -300, 1000, -1000, bound, -bound], tf.int32)
+
+    def both(e):
+        rows = _boundary_scales._rows_of_reciprocals(tf.as_dtype(dtype), e, bound)
+        return tf.stack(rows), tf.stack(_division.reciprocal_pieces_for(tf.as_dtype(dtype), e,
+                                                                        bound), axis=1)
+
+    rows, pieces = tf.function(both, jit_compile=True)(exponents)
+    assert rows.shape == pieces.shape == (len(exponents), 3 if dtype == "float32" else 13)
+    assert rows.numpy().view(np.int32).tolist() == pieces.numpy().view(np.int32).tolist()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_division_beyond_float64_exponents_gives_zero_or_inf(dtype):
     """Past 2**+-1022 (a chain of 60 or more boundaries) the float64 multiply's
