@@ -344,7 +344,8 @@ def test_tensors_of_one_shape_read_together_answer_each_for_itself(data, run_mod
     kinds = data.draw(st.lists(st.tuples(st.sampled_from(FLOAT_DTYPES),
                                          st.sampled_from([(3,), (2, 2), (1,), (40000,)])),
                                min_size=1, max_size=3, unique=True))
-    picks = data.draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=12))
+    # Up to 40: runs of more than `finite.STACK_MAX_MEMBERS` equal tensors, read in stacks.
+    picks = data.draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=40))
     values, held = [], []
     for dtype, shape in picks:
         big, tiny = EXTREMES[dtype]
@@ -377,6 +378,22 @@ def test_tensors_of_one_shape_read_together_answer_each_for_itself(data, run_mod
         assert {values[i].dtype for i in indices} == {vector.dtype}
         np.testing.assert_array_equal(np.asarray(vector.numpy()).astype(np.float64),
                                       [float(np.asarray(largest[i].numpy())) for i in indices])
+
+
+def test_a_long_run_of_equal_tensors_is_read_in_stacks_of_at_most_16():
+    """XLA's CPU backend compiles a stack of n tensors in time growing faster than n
+    (`finite.STACK_MAX_MEMBERS`): 40 equal small tensors are read as stacks of 16, 16
+    and 8, each tensor once and in order, and each answers for itself."""
+    values = [tf.fill([3], float(k)) for k in range(40)]
+    values[21] = tf.constant([1.0, float("inf"), 2.0])
+    units = finite._units(values)
+    assert [unit.members for unit in units] == [list(range(0, 16)), list(range(16, 32)),
+                                                list(range(32, 40))]
+    assert [unit.value.shape.as_list() for unit in units] == [[16, 3], [16, 3], [8, 3]]
+    flags = finite.finite_flags(values).numpy()
+    assert flags.tolist() == [k != 21 for k in range(40)]
+    largest = [float(x) for x in finite.largest_magnitudes(values)]
+    assert largest == [float("inf") if k == 21 else float(k) for k in range(40)]
 
 
 # -- unknown shapes: from an outside review -------------------------------------------
