@@ -508,11 +508,13 @@ def _rows_of_reciprocals(dtype, exponents, max_exponent):
     does not copy a division into a fusion that reads each element many
     times. The row's division ends its fusion there, and the updates, which
     read the same constant indices of their rows, compile once per shape.
-    Exact: each power is a normal float32 ``2**j``, |j| <= 126, whose
-    reciprocal ``2**-j`` is one too, as `reciprocal_pieces` makes it.
+    Exact, whatever the division's last bits: each power is a normal float32
+    ``2**j``, |j| <= 126, whose reciprocal ``2**-j`` is one too, and the
+    quotient is rounded to the nearest power of two from its bits
+    (`_division.nearest_power_of_two`), the value `reciprocal_pieces` builds.
     """
     powers = tf.stack(_division.reciprocal_pieces_for(dtype, -exponents, max_exponent), axis=1)
-    return [1.0 / row for row in tf.unstack(powers)]
+    return [_division.nearest_power_of_two(1.0 / row) for row in tf.unstack(powers)]
 
 
 def _dtypes_of(grads):
