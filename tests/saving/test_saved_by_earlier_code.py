@@ -27,10 +27,27 @@ FOLDER = os.path.join(os.path.dirname(__file__), "data", "ab2b52d")
 pytestmark = pytest.mark.usefixtures("plan_as_on_an_accelerator")
 
 
+def _has_avx512():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f" in f.read()
+    except OSError:  # not Linux: the file's own machine is assumed
+        return True
+
+
 @pytest.fixture(scope="module")
 def expected():
+    """What ab2b52d's code read back. XLA compiles the apply for the host's vector
+    instructions, which round a few updates differently: `expected.json` was written on
+    a CPU with AVX-512; on one without, the weights after the epoch are those ab2b52d's
+    own code gives there (`expected_weights_without_avx512.json`, made by that code from
+    the same files), so the comparison stays bit for bit, code against code."""
     with open(os.path.join(FOLDER, "expected.json")) as f:
-        return json.load(f)
+        expected = json.load(f)
+    if not _has_avx512():
+        with open(os.path.join(FOLDER, "expected_weights_without_avx512.json")) as f:
+            expected["weights_after_one_epoch"] = json.load(f)["weights_after_one_epoch"]
+    return expected
 
 
 def _trains_on_as_before(model, expected):

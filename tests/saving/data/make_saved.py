@@ -9,7 +9,9 @@ commit (a `git worktree` of it on `PYTHONPATH`):
 Beside them, `expected.json` holds what that code read back: the loss scale's
 state, the boundaries' factors, and the weights after one more epoch from the
 saved state, so that the current code, loading the same files, must match the
-earlier code's behaviour, not only its bytes.
+earlier code's behaviour, not only its bytes. XLA rounds a few updates by the
+host's vector instructions: `expected_weights_without_avx512.json` holds the
+weights that commit's code gives on a CPU without AVX-512, from the same files.
 """
 
 import json
