@@ -1,8 +1,9 @@
 """`Decision`: what one `LossScaleOptimizer` step decided, as a value.
 
 Made once per step by `tfdls._step` from the gradients it checked, then read
-by the loss scale (`DynamicLossScale.update_from_decision`), by the overflow record
-and by the update itself; nothing recomputes or changes it afterwards.
+by the loss scale (`DynamicLossScale.update_from_decision`, or
+`update_in_branch` inside the branch taken), by the overflow record and by the
+update itself; nothing recomputes or changes it afterwards.
 """
 
 from __future__ import annotations

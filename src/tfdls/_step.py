@@ -5,8 +5,10 @@ the gradients given (None ones set aside once), the scale that multiplied
 them (the one `scale_loss` recorded, see `tfdls._record`), summed over the
 replicas in float16 where the plan says so (`tfdls._distribute`: the scaled
 gradients, before anything else). `finish` divides each by what multiplied
-it, decides (a `tfdls._decision.Decision`), steps the scale, records, then
-applies or skips. It returns the plan that ran: the `StepPlan` it was given,
+it, decides (a `tfdls._decision.Decision`), then steps the scale, records
+and applies or skips: on the ``cond`` plan without a strategy, each
+outcome's writes inside the branch taken for it (`Writes`), elsewhere both
+outcomes computed and selected, then the update masked or branched. It returns the plan that ran: the `StepPlan` it was given,
 or that plan with a ``cond`` where the masked update's audit failed. A
 compiled apply (`run_compiled`) runs `finish` as its own XLA cluster.
 
@@ -28,6 +30,7 @@ from tfdls import _compat, _distribute, _division, _masked_update, finite
 from tfdls import gradient_stats as stats_lib
 from tfdls._decision import ALWAYS_APPLIES, Decision
 from tfdls._plan import AllReduce, Skip
+from tfdls.loss_scale import DynamicLossScale
 
 
 def run(opt, plan, grads, variables):
@@ -97,13 +100,13 @@ def finish(opt, plan, begun, grads, variables):
         else:
             unscaled[i] = boundary.divide(grads[i], i)
     checked = grads if plan.check == "scaled" else unscaled
-    decision = _decide(opt, grads, checked, unscaled, variables, present, positions,
-                       begun.live, boundary, plan)
+    decision, writes = _decide(opt, grads, checked, unscaled, variables, present, positions,
+                               begun.live, boundary, plan)
     if opt._stats is not None:
         _record_stats(opt, plan, grads, checked, present, positions, division, boundary,
                       decision)
     with _distribute.keras_all_reduce_skipped(opt.inner_optimizer, skip=summed):
-        return _apply_or_skip(opt, plan, decision, unscaled, variables)
+        return _apply_or_skip(opt, plan, decision, writes, unscaled, variables)
 
 
 def _sum_in_float16(grads, present, plan, division):
@@ -155,11 +158,11 @@ def run_compiled(opt, plan, grads, variables):
 
 def _decide(opt, grads, checked, unscaled, variables, present, positions, live, boundary,
             plan):
-    """Checks the gradients, agrees across replicas, steps the scale (and the boundaries)
-    and records the step; returns its `Decision`."""
+    """Checks the gradients, agrees across replicas and steps the boundaries; returns the
+    step's `Decision` and its `Writes` (None where it always applies)."""
     loss_scale = opt.loss_scale
     if not loss_scale.can_skip:
-        return ALWAYS_APPLIES
+        return ALWAYS_APPLIES, None
     custom = loss_scale.decides_from_gradients
     summed = plan.all_reduce == AllReduce.FLOAT16
     if custom:
@@ -174,7 +177,7 @@ def _decide(opt, grads, checked, unscaled, variables, present, positions, live, 
                 "all_reduce_dtype=None."
             )
         if verdict is True:
-            return ALWAYS_APPLIES
+            return ALWAYS_APPLIES, None
     if boundary is not None and not custom:
         # Each gradient divided by its own divisor can overflow (a factor below 1).
         counts, largest = boundary.check(grads, present, plan.divide)
@@ -213,17 +216,56 @@ def _decide(opt, grads, checked, unscaled, variables, present, positions, live, 
         lowers_scale=lowers_scale,
         stuck=stuck,
     )
-    if not custom:  # a custom scale stepped in its own update()
-        loss_scale.update_from_decision(decision)
-    opt._overflow.record(decision, [positions[i] for i in present],
-                                  tf.cast(opt.iterations, tf.int64))
-    return decision
+    # The scale read once per step, where the scale reads itself (not a subclass's
+    # own __call__). A custom scale stepped in its own update().
+    reads_itself = type(loss_scale).__call__ is DynamicLossScale.__call__
+    return decision, Writes(opt, decision, [positions[i] for i in present],
+                            scale=live if reads_itself else None, steps_scale=not custom)
 
 
-def _apply_or_skip(opt, plan, decision, unscaled, variables):
+@dataclasses.dataclass(frozen=True)
+class Writes:
+    """A step's writes to the loss scale's state and the overflow record, for either outcome.
+
+    `select` writes both outcomes' values selected by the decision, with no
+    branch; `branch` writes one outcome's, inside the `tf.cond` branch taken
+    for it. The algorithm is written once (`DynamicLossScale._transition`,
+    `OverflowRecord._after_skipped`); a step on the ``"cond"`` plan without a
+    strategy runs the finite step's few writes and none of the skipped one's.
+    """
+
+    opt: Any
+    decision: Decision
+    positions: list
+    scale: Any
+    steps_scale: bool
+
+    def select(self):
+        if self.steps_scale:
+            self.opt.loss_scale.update_from_decision(self.decision, self.scale)
+        self.opt._overflow.record(self.decision, self.positions, self._applied_steps())
+
+    def branch(self, finite):
+        if self.steps_scale:
+            self.opt.loss_scale.update_in_branch(finite, self.scale, self.decision.lowers_scale)
+        # Read in the skipped branch only, where the update did not advance it.
+        applied_steps = None if finite else self._applied_steps()
+        self.opt._overflow.record_in_branch(finite, self.decision, self.positions,
+                                            applied_steps)
+
+    def _applied_steps(self):
+        return tf.cast(self.opt.iterations, tf.int64)
+
+
+def _apply_or_skip(opt, plan, decision, writes, unscaled, variables):
     if decision.always_applies:
         opt.inner_optimizer.apply(unscaled, variables)
         return plan
+    if plan.skip == Skip.COND and not _distribute.has_strategy():
+        _apply_in_branches(opt, decision, writes, unscaled, variables)
+        return plan
+    # Written before the update runs: the record reads the optimizer's iterations.
+    writes.select()
     if plan.skip == Skip.MASKED:
         audit = _masked_update.apply(opt.inner_optimizer, unscaled, variables, decision.is_finite)
         if audit.exact:
@@ -234,6 +276,22 @@ def _apply_or_skip(opt, plan, decision, unscaled, variables):
         _warn_fallback(opt, audit.reason)
     _distribute.apply_if(decision.is_finite, opt.inner_optimizer.apply, (unscaled, variables))
     return plan
+
+
+def _apply_in_branches(opt, decision, writes, unscaled, variables):
+    """The ``"cond"`` plan without a strategy: the update and each outcome's writes in the
+    branch taken for it (a finite step runs none of a skipped step's writes)."""
+
+    def finite_step():
+        writes.branch(finite=True)
+        opt.inner_optimizer.apply(unscaled, variables)
+        return tf.constant(True)
+
+    def skipped_step():
+        writes.branch(finite=False)
+        return tf.constant(False)
+
+    tf.cond(decision.is_finite, finite_step, skipped_step)
 
 
 def _warn_fallback(opt, reason):

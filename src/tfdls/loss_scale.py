@@ -431,7 +431,7 @@ class DynamicLossScale(LossScale):
         is_finite = finite.all_finite(grads, across_replicas=True)
         return self.update_from_decision(is_finite), is_finite
 
-    def update_from_decision(self, decision: Any) -> Any:
+    def update_from_decision(self, decision: Any, scale: Any = None) -> Any:
         """Advances the state machine given an already-agreed decision.
 
         Branch-free: both outcomes are computed on a handful of scalars and
@@ -448,29 +448,74 @@ class DynamicLossScale(LossScale):
                 instead, or only the sums of finite gradients could overflow)
                 still counts as skipped and resets the good-step count, but
                 leaves the scale and the hysteresis budget.
+            scale: the scale as this step read it (``self()``), if it has;
+                read again otherwise.
         """
         is_finite = getattr(decision, "is_finite", decision)
         lowers = getattr(decision, "lowers_scale", None)
-        s = self._current()
-        g = tf.convert_to_tensor(self.num_good_steps)
-        h = tf.convert_to_tensor(self.hysteresis_budget)
-        multiplier = tf.constant(self._multiplier, tf.float32)
+        state = self._read_state(scale)
+        after_finite = self._transition(state, finite=True)
+        after_skipped = self._transition(state, finite=False, lowers_scale=lowers)
+        updated = self._write({
+            name: tf.where(is_finite, after_finite.get(name, value),
+                           after_skipped.get(name, value))
+            for name, value in state.items()})
+        # The seed's value: its nested conds return their predicates, so a
+        # finite step that reached increment_period reads True.
+        grew = state["good_steps"] + 1 >= self._increment_period
+        return _update_op(updated, tf.logical_and(is_finite, grew))
 
-        # Finite gradients.
-        g_plus_one = g + 1
-        grow = g_plus_one >= self._increment_period
-        grown = s * multiplier
-        if self._max_loss_scale is not None:
-            grown = tf.minimum(grown, self._max_loss_scale)
-        grown = tf.where(tf.math.is_finite(grown), grown, s)
-        s_finite = tf.where(grow, grown, s)
-        g_finite = tf.where(grow, tf.zeros_like(g), g_plus_one)
-        h_finite = tf.where(grow, tf.constant(self._hysteresis, tf.int64), h)
+    def update_in_branch(self, finite: bool, scale: Any = None, lowers_scale: Any = None):
+        """`update_from_decision` for one outcome, known when traced: the writes of a
+        `tf.cond` branch taken where the step was finite (`finite`) or skipped.
 
-        # Non-finite gradients.
+        Args:
+            finite: which outcome this branch is (a Python bool).
+            scale: the scale as this step read it, if it has.
+            lowers_scale: for a skipped step, as in `update_from_decision`.
+        """
+        state = self._read_state(scale, finite)
+        return self._write(self._transition(state, finite, lowers_scale))
+
+    def _read_state(self, scale=None, finite=None):
+        """The state, by name: all of it, or what the `finite` outcome's transition reads.
+        The scale is read for use (see `_read_scale`), unless this step's read is given."""
+        variables = self._variables_by_name()
+        if finite:  # a finite step leaves the skipped-step count
+            del variables["skipped_steps"]
+        state = {name: tf.convert_to_tensor(v) for name, v in variables.items()
+                 if name != "scale"}
+        state["scale"] = self._current() if scale is None else scale
+        return state
+
+    def _variables_by_name(self):
+        return {
+            "scale": self.current_loss_scale,
+            "good_steps": self.num_good_steps,
+            "hysteresis_budget": self.hysteresis_budget,
+            "skipped_steps": self.num_skipped_steps_variable,
+            "steps_since_overflow": self.steps_since_overflow_variable,
+        }
+
+    def _transition(self, state, finite, lowers_scale=None):
+        """The state after a finite (`finite`) or skipped step: the values that may change,
+        by name. The algorithm of the class docstring, once for each outcome."""
+        s, g, h = state["scale"], state["good_steps"], state["hysteresis_budget"]
+        if finite:
+            grow = g + 1 >= self._increment_period
+            grown = s * tf.constant(self._multiplier, tf.float32)
+            if self._max_loss_scale is not None:
+                grown = tf.minimum(grown, self._max_loss_scale)
+            grown = tf.where(tf.math.is_finite(grown), grown, s)
+            return {
+                "scale": tf.where(grow, grown, s),
+                "good_steps": tf.where(grow, tf.zeros_like(g), g + 1),
+                "hysteresis_budget": tf.where(grow, tf.constant(self._hysteresis, tf.int64), h),
+                "steps_since_overflow": state["steps_since_overflow"] + 1,
+            }
         # Clamped at 0: the budget counts overflows still tolerated, never
         # negative; at 0 every further overflow shrinks the scale.
-        h_overflow = tf.maximum(h - 1, 0)
+        h_skipped = tf.maximum(h - 1, 0)
         if self._backoff_factor is None:
             # A true division, to match the seed bit for bit. Grappler and XLA
             # rewrite x / const into x * (1 / const), which is not correctly
@@ -482,27 +527,21 @@ class DynamicLossScale(LossScale):
         else:
             shrunk = s * tf.constant(self._backoff_factor, tf.float32)
         shrunk = tf.maximum(shrunk, self._min_loss_scale)
-        s_overflow = tf.where(tf.equal(h_overflow, 0), shrunk, s)
-        if lowers is not None:
-            s_overflow = tf.where(lowers, s_overflow, s)
-            h_overflow = tf.where(lowers, h_overflow, h)
+        s_skipped = tf.where(tf.equal(h_skipped, 0), shrunk, s)
+        if lowers_scale is not None:
+            s_skipped = tf.where(lowers_scale, s_skipped, s)
+            h_skipped = tf.where(lowers_scale, h_skipped, h)
+        return {
+            "scale": s_skipped,
+            "good_steps": tf.zeros_like(g),
+            "hysteresis_budget": h_skipped,
+            "skipped_steps": state["skipped_steps"] + 1,
+            "steps_since_overflow": tf.zeros_like(state["steps_since_overflow"]),
+        }
 
-        skipped = tf.convert_to_tensor(self.num_skipped_steps_variable)
-        since = tf.convert_to_tensor(self.steps_since_overflow_variable)
-        updated = tf.group(
-            self.current_loss_scale.assign(tf.where(is_finite, s_finite, s_overflow)),
-            self.num_good_steps.assign(tf.where(is_finite, g_finite, tf.zeros_like(g))),
-            self.hysteresis_budget.assign(tf.where(is_finite, h_finite, h_overflow)),
-            self.num_skipped_steps_variable.assign(
-                tf.where(is_finite, skipped, skipped + 1)
-            ),
-            self.steps_since_overflow_variable.assign(
-                tf.where(is_finite, since + 1, tf.zeros_like(since))
-            ),
-        )
-        # The seed's value: its nested conds return their predicates, so a
-        # finite step that reached increment_period reads True.
-        return _update_op(updated, tf.logical_and(is_finite, grow))
+    def _write(self, values):
+        variables = self._variables_by_name()
+        return tf.group(*[variables[name].assign(value) for name, value in values.items()])
 
     def get_config(self) -> dict[str, Any]:
         return {

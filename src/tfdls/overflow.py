@@ -230,21 +230,39 @@ class OverflowRecord(tf.Module):
                 `variable_names`.
             applied_steps: the optimizer's iterations (int64 scalar).
         """
-        is_finite = decision.is_finite
         step = tf.convert_to_tensor(self.steps)
-        self.steps.assign(step + 1)
+        skipped = self._after_skipped(step, decision, positions, applied_steps)
+        return tf.group(
+            self.steps.assign(step + 1),
+            *[variable.assign(tf.where(decision.is_finite, variable, value))
+              for variable, value in skipped],
+            # Only a skipped step is stuck.
+            self.stuck_overflows.assign_add(tf.cast(decision.stuck, tf.int64)))
+
+    def record_in_branch(self, finite, decision, positions, applied_steps):
+        """`record` for one outcome, known when traced: the writes of a `tf.cond` branch
+        taken where the step was finite (`finite`) or skipped. Arguments as `record`'s."""
+        if finite:
+            return self.steps.assign_add(1)
+        step = tf.convert_to_tensor(self.steps)
+        skipped = self._after_skipped(step, decision, positions, applied_steps)
+        return tf.group(self.steps.assign(step + 1),
+                        *[variable.assign(value) for variable, value in skipped],
+                        self.stuck_overflows.assign_add(tf.cast(decision.stuck, tf.int64)))
+
+    def _after_skipped(self, step, decision, positions, applied_steps):
+        """What a skipped step numbered `step` writes, as (variable, value) pairs; a finite
+        step leaves them (`stuck_overflows` and `steps` are counted by the callers)."""
+        values = []
         if self.attribution:
-            self.mask.assign(tf.where(is_finite, self.mask,
-                                      self._over_variables(decision.nonfinite, positions)))
+            values.append((self.mask, self._over_variables(decision.nonfinite, positions)))
             if decision.sums_overflow is not None:
-                sum_mask = self._over_variables(decision.sums_overflow, positions)
-                self.sum_mask.assign(tf.where(is_finite, self.sum_mask, sum_mask))
-                self.sum_step.assign(tf.where(is_finite, self.sum_step, step))
-        self.last_step.assign(tf.where(is_finite, self.last_step, step))
-        self.last_applied_steps.assign(
-            tf.where(is_finite, self.last_applied_steps, applied_steps)
-        )
-        self.stuck_overflows.assign_add(tf.cast(decision.stuck, tf.int64))
+                values.append(
+                    (self.sum_mask, self._over_variables(decision.sums_overflow, positions)))
+                values.append((self.sum_step, step))
+        values.append((self.last_step, step))
+        values.append((self.last_applied_steps, applied_steps))
+        return values
 
     def _over_variables(self, flags, positions):
         """A bool vector over `positions` -> over every variable (False elsewhere)."""

@@ -1,0 +1,201 @@
+"""The state's writes of one outcome (the `tf.cond` plan) against both outcomes selected.
+
+On the ``"cond"`` plan without a strategy, a step writes the loss scale's
+state and the overflow record inside the branch taken
+(`DynamicLossScale.update_in_branch`, `OverflowRecord.record_in_branch`);
+elsewhere both outcomes are computed and selected (`update_from_decision`,
+`OverflowRecord.record`). Drawn states and decisions: the two forms must
+leave every variable equal, bit for bit, eagerly and traced.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tfdls
+from tfdls import overflow
+from tfdls._decision import Decision
+from tests.scales.test_loss_scale import CONTRACT_CASES
+
+F32 = np.float32
+CONFIGS = dict(CONTRACT_CASES, default={})
+
+
+def _scale_variables(ls):
+    return [ls.current_loss_scale, ls.num_good_steps, ls.hysteresis_budget,
+            ls.num_skipped_steps_variable, ls.steps_since_overflow_variable]
+
+
+def _bits(values):
+    return [np.asarray(v).tobytes() for v in values]
+
+
+def _scale_states(ls):
+    """Drawn values for the five variables: scales at and near the bounds, off the
+    powers of two, and above the maximum (a value written from elsewhere)."""
+    period, hysteresis = ls.increment_period, ls.hysteresis
+    highest = ls.max_loss_scale or float(np.finfo(np.float32).max)
+    scales = st.sampled_from([ls.min_loss_scale, highest, ls.initial_loss_scale, 3.0, 1e30,
+                              float(np.nextafter(F32(highest), F32(0))), 2.0**-20])
+    return st.tuples(scales, st.integers(0, period), st.integers(0, hysteresis),
+                     st.integers(0, 50), st.integers(0, 50))
+
+
+class _Pair:
+    """Two equal scales of one configuration: one steps branch-free, one in a branch."""
+
+    def __init__(self, config, traced):
+        self.selected = tfdls.DynamicLossScale(**config)
+        self.branched = tfdls.DynamicLossScale(**config)
+
+        def select(finite, lowers, pass_scale):
+            scale = self.selected() if pass_scale else None
+            self.selected.update_from_decision(
+                Decision(is_finite=finite, lowers_scale=lowers), scale)
+
+        def branch(finite, lowers, pass_scale):
+            scale = self.branched() if pass_scale else None
+
+            def outcome(is_finite):
+                def write():
+                    self.branched.update_in_branch(is_finite, scale, lowers)
+                    return tf.constant(is_finite)
+                return write
+
+            tf.cond(finite, outcome(True), outcome(False))
+
+        wrap = (lambda f: tf.function(f, autograph=False)) if traced else (lambda f: f)
+        self.select, self.branch = wrap(select), wrap(branch)
+
+
+@pytest.fixture(scope="module", params=["eager", "graph"])
+def pairs(request):
+    return {name: _Pair(config, request.param == "graph") for name, config in CONFIGS.items()}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_branch_writes_the_scale_as_the_selection_does(pairs, name, data):
+    pair = pairs[name]
+    state = data.draw(_scale_states(pair.selected), label="state")
+    finite = data.draw(st.booleans(), label="finite")
+    lowers = data.draw(st.sampled_from([None, True, False]), label="lowers_scale")
+    pass_scale = data.draw(st.booleans(), label="pass the scale read")
+    for ls in (pair.selected, pair.branched):
+        for variable, value in zip(_scale_variables(ls), state):
+            variable.assign(value)
+    lowers_t = None if lowers is None else tf.constant(lowers)
+    pair.select(tf.constant(finite), lowers_t, pass_scale)
+    pair.branch(tf.constant(finite), lowers_t, pass_scale)
+    assert _bits(_scale_variables(pair.branched)) == _bits(_scale_variables(pair.selected))
+
+
+def _record_variables(record):
+    return [record.mask, record.steps, record.last_step, record.last_applied_steps,
+            record.stuck_overflows, record.sum_mask, record.sum_step]
+
+
+@pytest.mark.parametrize("attribution", [True, False])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_branch_writes_the_overflow_record_as_the_selection_does(attribution, data):
+    count = 5
+    names = [f"v{i}" for i in range(count)]
+    positions = data.draw(st.lists(st.integers(0, count - 1), min_size=1, max_size=count,
+                                   unique=True), label="positions")
+    finite = data.draw(st.booleans(), label="finite")
+    flags = st.lists(st.booleans(), min_size=len(positions), max_size=len(positions))
+    nonfinite = data.draw(flags, label="nonfinite")
+    sums = data.draw(st.one_of(st.none(), flags), label="sums_overflow")
+    stuck = data.draw(st.booleans(), label="stuck") and not finite
+    start = data.draw(st.tuples(st.lists(st.booleans(), min_size=count, max_size=count),
+                                *[st.integers(-1, 99)] * 5), label="record before")
+    decision = Decision(is_finite=tf.constant(finite), nonfinite=tf.constant(nonfinite),
+                        sums_overflow=None if sums is None else tf.constant(sums),
+                        lowers_scale=tf.constant(not finite), stuck=tf.constant(stuck))
+    applied = tf.constant(7, tf.int64)
+    records = [overflow.OverflowRecord(names, attribution, overflow.MinScalePolicy("ignore"))
+               for _ in range(2)]
+    for record in records:
+        mask, *counters = start
+        values = [mask] + counters[:4] + [mask[::-1]] + counters[4:]
+        for variable, value in zip(_record_variables(record), values):
+            variable.assign(value)
+    records[0].record(decision, positions, applied)
+
+    def write(is_finite):
+        def branch():
+            records[1].record_in_branch(is_finite, decision, positions,
+                                        None if is_finite else applied)
+            return tf.constant(is_finite)
+        return branch
+
+    tf.cond(decision.is_finite, write(True), write(False))
+    assert (_bits(_record_variables(records[1])) == _bits(_record_variables(records[0])))
+
+
+# -- the plan ------------------------------------------------------------------------
+
+
+def _consumers_of_captured(concrete, variable):
+    """The op types in `concrete`'s own graph (not its branches) that read or write
+    `variable` directly."""
+    graph = concrete.graph
+    for external, internal in graph.captures:
+        if external is variable.handle:
+            return sorted(consumer.type for consumer in internal.consumers())
+    raise AssertionError(f"{variable.name} is not captured by the step")
+
+
+@pytest.mark.filterwarnings("ignore::tfdls.UnscaledLossWarning")
+@pytest.mark.parametrize("plan", ["cond", "masked"])
+def test_on_the_cond_plan_the_skipped_steps_writes_run_only_in_their_branch(plan):
+    """A finite step on the cond plan runs none of the skipped step's writes: in the
+    step's graph, the skipped-step count and the overflow record's last step are only
+    inputs of the cond. The masked plan writes them branch-free."""
+    keras.mixed_precision.set_global_policy("float32")
+    # On the CPU, jit_compile="auto" runs a small apply on the cond plan; False masks it.
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1),
+                                   jit_compile="auto" if plan == "cond" else False)
+    w = keras.Variable(tf.zeros([8]), name="w")
+    step = tf.function(lambda g: opt.apply([g], [w]))
+    concrete = step.get_concrete_function(tf.TensorSpec([8]))
+    assert opt.step_plan.skip == plan and not opt.step_plan.compile, opt.step_plan
+    for variable in (opt.loss_scale.num_skipped_steps_variable, opt._overflow.last_step):
+        consumers = _consumers_of_captured(concrete, variable)
+        if plan == "cond":
+            assert all(t in ("If", "StatelessIf") for t in consumers), (variable.name,
+                                                                         consumers)
+        else:
+            assert "AssignVariableOp" in consumers, (variable.name, consumers)
+
+
+@pytest.mark.filterwarnings("ignore::tfdls.UnscaledLossWarning")
+def test_the_cond_plan_steps_the_scale_and_record_as_the_masked_plan_does():
+    """The same gradients through both plans: equal weights, scale state and record."""
+    keras.mixed_precision.set_global_policy("float32")
+    results = {}
+    for plan in ("cond", "masked"):
+        opt = tfdls.LossScaleOptimizer(
+            keras.optimizers.Adam(0.01),
+            tfdls.DynamicLossScale(2.0**4, increment_period=2, hysteresis=2),
+            jit_compile="auto" if plan == "cond" else False)
+        w = keras.Variable(tf.ones([4]), name="w")
+        step = tf.function(lambda g: opt.apply([g], [w]))
+        rng = np.random.default_rng(3)
+        for i in range(24):
+            g = rng.standard_normal(4).astype(np.float32) * 8
+            if i % 5 in (2, 3):
+                g[i % 4] = [np.inf, np.nan][i % 2]
+            step(tf.constant(g))
+        assert opt.step_plan.skip == plan and not opt.step_plan.compile, opt.step_plan
+        assert opt.loss_scale.num_skipped_steps.numpy() > 0
+        results[plan] = (
+            _bits([w.numpy(), opt.iterations.numpy()]
+                  + [v.numpy() for v in opt.inner_optimizer.variables])
+            + _bits(_scale_variables(opt.loss_scale)) + _bits(_record_variables(opt._overflow)))
+    assert results["cond"] == results["masked"]
