@@ -52,6 +52,12 @@ def has_strategy():
     return tf.distribute.has_strategy() and replicas_in_sync() > 1
 
 
+def under_any_strategy():
+    """True under any `tf.distribute` strategy, one replica included (a one-device
+    `MirroredStrategy` synchronizes through `merge_call` all the same)."""
+    return tf.distribute.has_strategy()
+
+
 def needs_merge_call():
     """True where Keras' optimizers synchronize replicas through `merge_call`: under a
     strategy that does not run updates without it, with one replica too (Keras calls

@@ -216,11 +216,9 @@ def _decide(opt, grads, checked, unscaled, variables, present, positions, live, 
         lowers_scale=lowers_scale,
         stuck=stuck,
     )
-    # The scale read once per step, where the scale reads itself (not a subclass's
-    # own __call__). A custom scale stepped in its own update().
-    reads_itself = type(loss_scale).__call__ is DynamicLossScale.__call__
-    return decision, Writes(opt, decision, [positions[i] for i in present],
-                            scale=live if reads_itself else None, steps_scale=not custom)
+    # A custom scale stepped in its own update().
+    return decision, Writes(opt, decision, [positions[i] for i in present], live,
+                            steps_scale=not custom)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,17 +235,29 @@ class Writes:
     opt: Any
     decision: Decision
     positions: list
-    scale: Any
+    live: Any
     steps_scale: bool
+
+    @property
+    def branchable(self):
+        """Whether `branch` can write this step: not where the scale steps by an
+        `update_from_decision` of its own (a subclass's, or another `LossScale`'s), which
+        is called as documented instead, both outcomes selected."""
+        return not self.steps_scale or _own_transitions(self.opt.loss_scale)
 
     def select(self):
         if self.steps_scale:
-            self.opt.loss_scale.update_from_decision(self.decision, self.scale)
+            loss_scale = self.opt.loss_scale
+            if _own_transitions(loss_scale):
+                loss_scale.update_from_decision(self.decision, self._scale())
+            else:
+                loss_scale.update_from_decision(self.decision)
         self.opt._overflow.record(self.decision, self.positions, self._applied_steps())
 
     def branch(self, finite):
         if self.steps_scale:
-            self.opt.loss_scale.update_in_branch(finite, self.scale, self.decision.lowers_scale)
+            self.opt.loss_scale.update_in_branch(finite, self._scale(),
+                                                 self.decision.lowers_scale)
         # Read in the skipped branch only, where the update did not advance it.
         applied_steps = None if finite else self._applied_steps()
         self.opt._overflow.record_in_branch(finite, self.decision, self.positions,
@@ -256,12 +266,25 @@ class Writes:
     def _applied_steps(self):
         return tf.cast(self.opt.iterations, tf.int64)
 
+    def _scale(self):
+        # The scale as the step read it, where that is the scale's own read (not a
+        # subclass's __call__); else read again by the scale.
+        own_read = type(self.opt.loss_scale).__call__ is DynamicLossScale.__call__
+        return self.live if own_read else None
+
+
+def _own_transitions(loss_scale):
+    """A `DynamicLossScale` whose `update_from_decision` is tfdls' own."""
+    return (isinstance(loss_scale, DynamicLossScale) and
+            type(loss_scale).update_from_decision is DynamicLossScale.update_from_decision)
+
 
 def _apply_or_skip(opt, plan, decision, writes, unscaled, variables):
     if decision.always_applies:
         opt.inner_optimizer.apply(unscaled, variables)
         return plan
-    if plan.skip == Skip.COND and not _distribute.has_strategy():
+    if (plan.skip == Skip.COND and writes.branchable
+            and not _distribute.under_any_strategy()):
         _apply_in_branches(opt, decision, writes, unscaled, variables)
         return plan
     # Written before the update runs: the record reads the optimizer's iterations.

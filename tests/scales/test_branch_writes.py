@@ -199,3 +199,112 @@ def test_the_cond_plan_steps_the_scale_and_record_as_the_masked_plan_does():
                   + [v.numpy() for v in opt.inner_optimizer.variables])
             + _bits(_scale_variables(opt.loss_scale)) + _bits(_record_variables(opt._overflow)))
     assert results["cond"] == results["masked"]
+
+
+# -- where the branches do not write (found by review) ------------------------------
+
+
+def _train(opt, eager=False, strategy=None, steps=((1.0, 2.0, 3.0, 4.0), (np.inf, 1.0, 1.0, 1.0),
+                                                  (1.0, 1.0, 1.0, 1.0), (np.nan, 0.0, 0.0, 0.0))):
+    """A few steps of `opt` on one variable; its values after them."""
+    with strategy.scope() if strategy else _no_scope():
+        w = keras.Variable(tf.ones([4]), name="w")
+
+    def apply(g):
+        opt.apply([g], [w])
+
+    step = apply if eager else tf.function(apply)
+    for g in steps:
+        g = tf.constant(g, tf.float32)
+        if strategy:
+            strategy.run(step, args=(g,))
+        else:
+            step(g)
+    return [w.numpy(), opt.iterations.numpy(), opt.loss_scale().numpy(),
+            opt.loss_scale.skipped_steps.numpy() if opt.loss_scale.skipped_steps is not None
+            else None]
+
+
+class _no_scope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return False
+
+
+@pytest.mark.filterwarnings("ignore::tfdls.UnscaledLossWarning")
+def test_a_one_replica_mirrored_strategy_takes_the_cond_in_cross_replica_context():
+    """One replica still synchronizes through merge_call, which TensorFlow refuses inside
+    a branch: the step keeps the cond of `tfdls._distribute.apply_if`, same values."""
+    keras.mixed_precision.set_global_policy("float32")
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1), tfdls.DynamicLossScale(8.0))
+    got = _train(opt, strategy=strategy)
+    assert opt.step_plan.skip == "cond"
+    plain = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1), tfdls.DynamicLossScale(8.0))
+    assert _bits(got) == _bits(_train(plain))
+
+
+class _CountingScale(tfdls.DynamicLossScale):
+    """Overrides the documented one-argument `update_from_decision`; counts the steps
+    that ran it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = tf.Variable(0, trainable=False)
+
+    def update_from_decision(self, decision):
+        with tf.control_dependencies([self.calls.assign_add(1)]):
+            return super().update_from_decision(decision)
+
+
+class _HalvingScale(tfdls.LossScale):
+    """Not a DynamicLossScale: steps by its own `update_from_decision`."""
+
+    def __init__(self):
+        super().__init__()
+        self.value = tf.Variable(2.0**10, trainable=False)
+
+    def __call__(self):
+        return tf.convert_to_tensor(self.value)
+
+    def update(self, grads):
+        ok = tfdls.all_finite(grads, across_replicas=True)
+        return self.update_from_decision(ok), ok
+
+    @property
+    def decides_from_gradients(self):
+        return False
+
+    def update_from_decision(self, decision):
+        ok = getattr(decision, "is_finite", decision)
+        return self.value.assign(tf.where(ok, self.value, self.value / 2))
+
+    def get_config(self):
+        return {}
+
+
+@pytest.mark.filterwarnings("ignore::tfdls.UnscaledLossWarning")
+@pytest.mark.parametrize("how", ["eager", "cond", "masked"])
+def test_a_scale_with_its_own_update_from_decision_steps_by_it(how):
+    """A subclass's (or another LossScale's) `update_from_decision(decision)` is called on
+    every plan, as documented, and gives what the base class gives."""
+    keras.mixed_precision.set_global_policy("float32")
+    jit = False if how == "masked" else "auto"
+    counting = _CountingScale(8.0)
+    got = _train(tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1), counting, jit_compile=jit),
+                 eager=how == "eager")
+    assert counting.calls.numpy() == 4
+    base = _train(tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1),
+                                           tfdls.DynamicLossScale(8.0), jit_compile=jit),
+                  eager=how == "eager")
+    assert _bits(got) == _bits(base)
+    halving = _HalvingScale()
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1), halving, jit_compile=jit)
+    w, iterations, scale, _ = _train(opt, eager=how == "eager")
+    assert (iterations, scale) == (2, 2.0**8)
+    lr = np.float32(0.1)  # SGD: w - lr * (g / scale), the skipped steps left out
+    first = np.float32(1) - lr * (np.float32([1, 2, 3, 4]) / np.float32(1024))
+    np.testing.assert_array_equal(w, first - lr * (np.float32(1) / np.float32(512)))
