@@ -25,6 +25,10 @@ Per gradient it uses one of two exact reductions:
 Small gradients of one dtype and shape (a deep model's equal layers) are
 stacked and reduced together, each still answered for itself
 (`STACK_MAX_ELEMENTS`): one reduction per shape instead of one per gradient.
+The yes/no check (`finite_flags`) stacks only inside XLA, which fuses a stack
+into its reduction; in graph mode a stack is a copy per step, which costs more
+than the reductions it saves. The magnitudes the scale boundaries read
+(`largest_magnitudes`) are stacked in both.
 """
 
 from __future__ import annotations
@@ -162,12 +166,14 @@ class _Unit:
         return len(self.members) > 1
 
 
-def _units(values):
+def _units(values, stack=True):
+    """The reductions that read `values`: small tensors of one dtype, shape and device
+    stacked (with `stack`), every other tensor alone."""
     groups = {}
     for i, value in enumerate(values):
         size = value.shape.num_elements()
         key = (("stack", value.dtype, tuple(value.shape.as_list()), value.device)
-               if size and size <= STACK_MAX_ELEMENTS else ("alone", i))
+               if stack and size and size <= STACK_MAX_ELEMENTS else ("alone", i))
         groups.setdefault(key, []).append(i)
     chunks = [group[start:start + STACK_MAX_MEMBERS] for group in groups.values()
               for start in range(0, len(group), STACK_MAX_MEMBERS)]
@@ -218,14 +224,17 @@ def finite_flags(values: Sequence[tf.Tensor]) -> tf.Tensor:
         values: a list of dense float tensors (see `gradient_values`).
 
     Exact and branch-free (see the module docstring); each tensor is read
-    once (small ones of one shape together, `STACK_MAX_ELEMENTS`).
+    once (inside XLA, small ones of one shape together, `STACK_MAX_ELEMENTS`).
     """
     _check_floating(values)
     if not values:
         return tf.ones([0], tf.bool)
     in_xla = _compat.in_xla_context()
     on_host = host_only()
-    units = _units(values)
+    # Stacked only inside XLA, which fuses the stack into the reduction. Outside, a
+    # stack is a copy of its members every step: a 24-layer MLP's step in graph mode
+    # took 1.43x the bare optimizer's with stacks, 1.27x without (Keras 3: 1.25x).
+    units = _units(values, stack=in_xla)
     return _in_order(units, [_finite_flag(u, in_xla, on_host) for u in units])
 
 

@@ -196,14 +196,12 @@ def test_graph_reads_each_gradient_once_without_branches(big):
             assert consumer.type == "Reshape"
             assert [c.type for c in consumer.outputs[0].consumers()] == ["MatMul"]
         else:
-            if consumer.type == "Pack":  # small gradients of one shape, read together
-                (consumer,) = consumer.outputs[0].consumers()
+            # Read alone: outside XLA a stack of small gradients would be a copy per step.
             assert consumer.type == "IsFinite", (ph.name, consumer.type)
 
-    # One reduction per gradient (small ones of one shape: per shape), plus the combination.
+    # One reduction per gradient, plus the combination.
     reductions = [op for op in ops if op.type in REDUCTIONS]
-    kinds = {(str(s), FLOAT_DTYPES[i % 4]) for i, s in enumerate(shapes)}
-    assert len(reductions) <= (N_GRADS if big else len(kinds)) + 2
+    assert len(reductions) <= N_GRADS + 2
     every_placeholder = {op.name for op in placeholders}
     assert every_placeholder <= _ancestors(concrete.outputs[0])
 
