@@ -1,14 +1,15 @@
 """The fixed cost of a training step: `fit`'s step function, many calls per round, in one process.
 
     python benchmarks/step_cost.py                               # the graph-mode MLP fit cases
-    python benchmarks/step_cost.py --cases mlp2x64-sgd-graph --rounds 15 --steps 500
+    python benchmarks/step_cost.py --cases mlp2x64-sgd-graph --rounds 100 --steps 30
 
 The fit family (`run.py --family fit`) times `model.fit`, 20 steps per round, and its rows
 move by tens of percent between runs on a small model, where a step is about a millisecond
 and the loss-scale optimizer's part of it a tenth of that. Here each variant's model
 (`fit.build`, the fit family's) runs its own `train_step` in a `tf.function` (the body of
 `fit`'s step, without the dataset iterator and the callbacks) on one fixed batch,
-`--steps` calls per round, the variants interleaved round by round. Reported per case:
+`--steps` calls per round, the variants interleaved round by round: short rounds, so
+that the machine's slow phases fall on all variants alike. Reported per case:
 each variant's median ms per step over the rounds and the median of its per-round ratios
 to bare Keras (no loss scaling), and tfdls' median per-round ratio to Keras 3's
 `LossScaleOptimizer`. TF_ENABLE_ONEDNN_OPTS=0 unless set, as run.py for the fit family.
@@ -65,8 +66,8 @@ def main():
     parser.add_argument("--cases", default=",".join(
         f"mlp{depth}x64-{opt}-graph" for depth in (2, 8, 24) for opt in ("adam", "sgd")),
                         help="comma-separated substrings of fit case names")
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--steps", type=int, default=300, help="calls per round")
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=30, help="calls per round")
     args = parser.parse_args()
 
     import keras
