@@ -8,7 +8,8 @@ gradients, before anything else). `finish` divides each by what multiplied
 it, decides (a `tfdls._decision.Decision`), then steps the scale, records
 and applies or skips: on the ``cond`` plan without a strategy, each
 outcome's writes inside the branch taken for it (`Writes`), elsewhere both
-outcomes computed and selected, then the update masked or branched. It returns the plan that ran: the `StepPlan` it was given,
+outcomes computed and selected, then the update masked or branched. It
+returns the plan that ran: the `StepPlan` it was given,
 or that plan with a ``cond`` where the masked update's audit failed. A
 compiled apply (`run_compiled`) runs `finish` as its own XLA cluster.
 
