@@ -8,8 +8,9 @@ move by tens of percent between runs on a small model, where a step is about a m
 and the loss-scale optimizer's part of it a tenth of that. Here each variant's model
 (`fit.build`, the fit family's) runs its own `train_step` in a `tf.function` (the body of
 `fit`'s step, without the dataset iterator and the callbacks) on one fixed batch,
-`--steps` calls per round, the variants interleaved round by round: short rounds, so
-that the machine's slow phases fall on all variants alike. Reported per case:
+`--steps` calls per round, timed by the one timing loop (`timing.measure`: variants
+interleaved round by round, each checked to train): short rounds, so that the machine's
+slow phases fall on all variants alike. Reported per case:
 each variant's median ms per step over the rounds and the median of its per-round ratios
 to bare Keras (no loss scaling), and tfdls' median per-round ratio to Keras 3's
 `LossScaleOptimizer`. TF_ENABLE_ONEDNN_OPTS=0 unless set, as run.py for the fit family.
@@ -17,8 +18,6 @@ to bare Keras (no loss scaling), and tfdls' median per-round ratio to Keras 3's
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
@@ -26,39 +25,23 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 VARIANTS = ("bare", "keras3", "tfdls")
 
 
-def step_function(case, variant):
-    """The compiled model's train step on one fixed batch, warmed up: a zero-argument call."""
+def step_run(case, variant):
+    """Variant `variant`'s compiled model on fit `case`, its train step on one fixed batch as
+    a `runs.StepRun` (checked as every timed step is: it trains)."""
     import tensorflow as tf
 
     import fit
     import models
+    from runs import StepRun
 
     model = fit.build(case, variant)
     x, y = models.batch(case.params, 1)
-    data = (tf.constant(x), tf.constant(y))
     model.fit(x, y, batch_size=case.params["batch"], epochs=1, verbose=0)  # builds everything
-    step = tf.function(model.train_step, jit_compile=model.jit_compile is True)
-    for _ in range(20):
-        step(data)
-    return lambda: step(data)
-
-
-def measure(case, rounds, steps):
-    """{variant: per-round ms per step}, the variants interleaved round by round."""
-    calls = {name: step_function(case, name) for name in VARIANTS}
-    times = {name: [] for name in VARIANTS}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            for _ in range(steps):
-                out = call()
-            float(out["loss"])  # the last step has run
-            times[name].append((time.perf_counter() - start) / steps * 1e3)
-    return times
-
-
-def ratio(times, name, baseline):
-    return statistics.median(a / b for a, b in zip(times[name], times[baseline]))
+    run = StepRun(variant, model.train_step, ((tf.constant(x), tf.constant(y)),),
+                  "xla" if model.jit_compile is True else "graph",
+                  model.trainable_variables, model.optimizer)
+    run.skips_allowed = True  # a mixed_float16 start may overflow
+    return run
 
 
 def main():
@@ -73,6 +56,7 @@ def main():
     import keras
 
     import cases
+    import timing
 
     keras.mixed_precision.set_global_policy("mixed_float16")
     print(f"{args.rounds} rounds of {args.steps} steps; ms per step (median), ratio to bare "
@@ -80,10 +64,13 @@ def main():
     print("| case | bare ms | Keras 3 | tfdls | tfdls / Keras 3 |")
     print("|---|---:|---:|---:|---:|")
     for case in cases.select("fit", args.cases):
-        times = measure(case, args.rounds, args.steps)
-        print(f"| {case.name} | {statistics.median(times['bare']):.3f} "
-              f"| {ratio(times, 'keras3', 'bare'):.2f}x | {ratio(times, 'tfdls', 'bare'):.2f}x "
-              f"| {ratio(times, 'tfdls', 'keras3'):.2f} |", flush=True)
+        result = timing.measure([step_run(case, name) for name in VARIANTS], args.rounds,
+                                args.steps)
+        to_keras = timing.summarize({name: result[name]["samples_ms"]
+                                     for name in ("keras3", "tfdls")})["tfdls"]["ratio"]
+        print(f"| {case.name} | {result['bare']['ms']:.3f} "
+              f"| {result['keras3']['ratio']:.2f}x | {result['tfdls']['ratio']:.2f}x "
+              f"| {to_keras:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
