@@ -1,9 +1,11 @@
 """`Decision`: what one `LossScaleOptimizer` step decided, as a value.
 
-Made once per step by `tfdls._step` from the gradients it checked, then read
-by the loss scale (`DynamicLossScale.update_from_decision`, or
-`update_in_branch` inside the branch taken), by the overflow record and by the
-update itself; nothing recomputes or changes it afterwards.
+Made once per step by `tfdls._step` from the gradients it checked and read by
+the loss scale (`DynamicLossScale.update_from_decision`, or `update_in_branch`
+inside the branch taken) and by the overflow record; nothing recomputes or
+changes it afterwards. Only its `is_finite` is needed before the step applies
+or skips: the rest is made where it is read (`tfdls._step.Verdict`), inside the
+skipped branch where the step branches.
 """
 
 from __future__ import annotations
@@ -31,10 +33,6 @@ class Decision:
         stuck: an overflow the scale cannot answer (scalar bool): at its
             minimum, or a sum that could overflow at any scale;
             ``min_scale_policy`` reports it.
-        always_applies: the scale never skips (a `FixedLossScale`, or a
-            custom scale whose `update` returned the Python ``True``): the
-            step applies without a mask or a branch. The tensors are then
-            None.
     """
 
     is_finite: Any = None
@@ -42,7 +40,3 @@ class Decision:
     sums_overflow: Any = None
     lowers_scale: Any = None
     stuck: Any = None
-    always_applies: bool = False
-
-
-ALWAYS_APPLIES = Decision(always_applies=True)

@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from tfdls import _compat, _distribute, _division, _masked_update, finite
 from tfdls import gradient_stats as stats_lib
-from tfdls._decision import ALWAYS_APPLIES, Decision
+from tfdls._decision import Decision
 from tfdls._plan import AllReduce, Skip
 from tfdls.loss_scale import DynamicLossScale
 
@@ -101,13 +101,13 @@ def finish(opt, plan, begun, grads, variables):
         else:
             unscaled[i] = boundary.divide(grads[i], i)
     checked = grads if plan.check == "scaled" else unscaled
-    decision, writes = _decide(opt, grads, checked, unscaled, variables, present, positions,
-                               begun.live, boundary, plan)
+    verdict = _decide(opt, grads, checked, unscaled, variables, present, positions,
+                      begun.live, boundary, plan)
     if opt._stats is not None:
         _record_stats(opt, plan, grads, checked, present, positions, division, boundary,
-                      decision)
+                      verdict)
     with _distribute.keras_all_reduce_skipped(opt.inner_optimizer, skip=summed):
-        return _apply_or_skip(opt, plan, decision, writes, unscaled, variables)
+        return _apply_or_skip(opt, plan, verdict, unscaled, variables)
 
 
 def _sum_in_float16(grads, present, plan, division):
@@ -160,10 +160,10 @@ def run_compiled(opt, plan, grads, variables):
 def _decide(opt, grads, checked, unscaled, variables, present, positions, live, boundary,
             plan):
     """Checks the gradients, agrees across replicas and steps the boundaries; returns the
-    step's `Decision` and its `Writes` (None where it always applies)."""
+    step's `Verdict`."""
     loss_scale = opt.loss_scale
     if not loss_scale.can_skip:
-        return ALWAYS_APPLIES, None
+        return ALWAYS
     custom = loss_scale.decides_from_gradients
     summed = plan.all_reduce == AllReduce.FLOAT16
     if custom:
@@ -178,48 +178,86 @@ def _decide(opt, grads, checked, unscaled, variables, present, positions, live, 
                 "all_reduce_dtype=None."
             )
         if verdict is True:
-            return ALWAYS_APPLIES, None
+            return ALWAYS
+    flags = counts = largest = None
     if boundary is not None and not custom:
         # Each gradient divided by its own divisor can overflow (a factor below 1).
         counts, largest = boundary.check(grads, present, plan.divide)
-    else:
+    elif custom or _distribute.has_strategy():
         # Per gradient: how many replicas saw NaN/Inf (the same on all replicas).
         counts = finite.nonfinite_counts(
             finite.gradient_values([checked[i] for i in present]), across_replicas=True)
+    else:
+        # One replica: its per-gradient flags decide, with one reduction.
+        flags = finite.finite_flags(finite.gradient_values([checked[i] for i in present]))
     # A step whose sums could overflow is skipped too, whatever a custom scale
     # decided; a lower scale cannot help (they are sums of divided gradients).
     may_overflow = _sums_may_overflow(opt.inner_optimizer, [unscaled[i] for i in present],
                                       [variables[i] for i in present], summed)
-    vetoed = tf.constant(False) if may_overflow is None else tf.reduce_any(may_overflow)
     if custom:
         vetoes = tf.cast(tf.logical_not(verdict), tf.float32)  # the same on every replica
         all_finite = tf.equal(_distribute.sum_over_replicas(vetoes), 0.0)
+    elif flags is not None:
+        all_finite = tf.reduce_all(flags)
     else:
         all_finite = tf.equal(tf.reduce_sum(counts), 0.0)
-    is_finite = tf.logical_and(all_finite, tf.logical_not(vetoed))
-    lowers_scale = tf.logical_not(all_finite)
-    stuck = tf.constant(False)
-    if loss_scale.min_value is not None:
-        stuck = tf.logical_and(lowers_scale, live <= loss_scale.min_value)
+    is_finite = all_finite
+    if may_overflow is not None:
+        vetoed = tf.reduce_any(may_overflow)
+        is_finite = tf.logical_and(all_finite, tf.logical_not(vetoed))
+    answered_by_scale = None
     if boundary is not None and not custom:
         # A boundary that can go lower answers its block's overflow instead.
         answered_by_scale = boundary.adapt(is_finite, counts, largest,
                                            [positions[i] for i in present])
-        lowers_scale = tf.logical_and(lowers_scale, answered_by_scale)
-        stuck = tf.logical_and(stuck, answered_by_scale)
-    if may_overflow is not None:
-        stuck = tf.logical_or(stuck, vetoed)  # a veto is stuck at any scale
-    decision = Decision(
-        is_finite=is_finite,
-        nonfinite=counts > 0,
-        sums_overflow=None if may_overflow is None
-        else tf.logical_and(may_overflow, counts == 0),
-        lowers_scale=lowers_scale,
-        stuck=stuck,
-    )
+
+    def decision():
+        # The rest of the verdict, from the values above: read only by a skipped
+        # step's writes, so made inside its branch where the step branches.
+        nonfinite = tf.logical_not(flags) if flags is not None else counts > 0
+        lowers_scale = tf.logical_not(all_finite)
+        stuck = tf.constant(False)
+        if loss_scale.min_value is not None:
+            stuck = tf.logical_and(lowers_scale, live <= loss_scale.min_value)
+        if answered_by_scale is not None:
+            lowers_scale = tf.logical_and(lowers_scale, answered_by_scale)
+            stuck = tf.logical_and(stuck, answered_by_scale)
+        if may_overflow is not None:
+            stuck = tf.logical_or(stuck, vetoed)  # a veto is stuck at any scale
+        return Decision(
+            is_finite=is_finite,
+            nonfinite=nonfinite,
+            sums_overflow=None if may_overflow is None
+            else tf.logical_and(may_overflow, tf.logical_not(nonfinite)),
+            lowers_scale=lowers_scale,
+            stuck=stuck,
+        )
+
     # A custom scale stepped in its own update().
-    return decision, Writes(opt, decision, [positions[i] for i in present], live,
-                            steps_scale=not custom)
+    return Verdict(is_finite, Writes(opt, decision, [positions[i] for i in present], live,
+                                     steps_scale=not custom))
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What a step decided: `is_finite` (a scalar bool tensor; None where it always
+    applies), and the `Writes` that record it (None where it always applies).
+
+    Only `is_finite` is made before the step applies or skips; the rest of the
+    `Decision` (which gradients overflowed, whether the scale answers, whether it
+    is stuck) is made by `Writes` where it is read: inside the skipped branch
+    where the step branches, so a finite step runs none of it.
+    """
+
+    is_finite: Any
+    writes: Any
+
+    @property
+    def always_applies(self):
+        return self.writes is None
+
+
+ALWAYS = Verdict(None, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +272,7 @@ class Writes:
     """
 
     opt: Any
-    decision: Decision
+    decide: Any  # () -> the step's Decision, made where it is called
     positions: list
     live: Any
     steps_scale: bool
@@ -247,22 +285,24 @@ class Writes:
         return not self.steps_scale or _own_transitions(self.opt.loss_scale)
 
     def select(self):
+        decision = self.decide()
         if self.steps_scale:
             loss_scale = self.opt.loss_scale
             if _own_transitions(loss_scale):
-                loss_scale.update_from_decision(self.decision, self._scale())
+                loss_scale.update_from_decision(decision, self._scale())
             else:
-                loss_scale.update_from_decision(self.decision)
-        self.opt._overflow.record(self.decision, self.positions, self._applied_steps())
+                loss_scale.update_from_decision(decision)
+        self.opt._overflow.record(decision, self.positions, self._applied_steps())
 
     def branch(self, finite):
+        # A finite step's writes read nothing of the decision but its outcome.
+        decision = None if finite else self.decide()
         if self.steps_scale:
-            self.opt.loss_scale.update_in_branch(finite, self._scale(),
-                                                 self.decision.lowers_scale)
+            self.opt.loss_scale.update_in_branch(
+                finite, self._scale(), None if finite else decision.lowers_scale)
         # Read in the skipped branch only, where the update did not advance it.
         applied_steps = None if finite else self._applied_steps()
-        self.opt._overflow.record_in_branch(finite, self.decision, self.positions,
-                                            applied_steps)
+        self.opt._overflow.record_in_branch(finite, decision, self.positions, applied_steps)
 
     def _applied_steps(self):
         return tf.cast(self.opt.iterations, tf.int64)
@@ -280,31 +320,34 @@ def _own_transitions(loss_scale):
             type(loss_scale).update_from_decision is DynamicLossScale.update_from_decision)
 
 
-def _apply_or_skip(opt, plan, decision, writes, unscaled, variables):
-    if decision.always_applies:
+def _apply_or_skip(opt, plan, verdict, unscaled, variables):
+    writes = verdict.writes
+    if verdict.always_applies:
         opt.inner_optimizer.apply(unscaled, variables)
         return plan
     if (plan.skip == Skip.COND and writes.branchable
             and not _distribute.under_any_strategy()):
-        _apply_in_branches(opt, decision, writes, unscaled, variables)
+        _apply_in_branches(opt, verdict, unscaled, variables)
         return plan
     # Written before the update runs: the record reads the optimizer's iterations.
     writes.select()
     if plan.skip == Skip.MASKED:
-        audit = _masked_update.apply(opt.inner_optimizer, unscaled, variables, decision.is_finite)
+        audit = _masked_update.apply(opt.inner_optimizer, unscaled, variables, verdict.is_finite)
         if audit.exact:
             return plan
         # What runs instead: a cond (inside the compiled apply, if any).
         plan = dataclasses.replace(plan, skip=Skip.COND,
                                    reason=f"the audit failed: {audit.reason}")
         _warn_fallback(opt, audit.reason)
-    _distribute.apply_if(decision.is_finite, opt.inner_optimizer.apply, (unscaled, variables))
+    _distribute.apply_if(verdict.is_finite, opt.inner_optimizer.apply, (unscaled, variables))
     return plan
 
 
-def _apply_in_branches(opt, decision, writes, unscaled, variables):
+def _apply_in_branches(opt, verdict, unscaled, variables):
     """The ``"cond"`` plan without a strategy: the update and each outcome's writes in the
     branch taken for it (a finite step runs none of a skipped step's writes)."""
+
+    writes = verdict.writes
 
     def finite_step():
         writes.branch(finite=True)
@@ -315,7 +358,7 @@ def _apply_in_branches(opt, decision, writes, unscaled, variables):
         writes.branch(finite=False)
         return tf.constant(False)
 
-    tf.cond(decision.is_finite, finite_step, skipped_step)
+    tf.cond(verdict.is_finite, finite_step, skipped_step)
 
 
 def _warn_fallback(opt, reason):
@@ -377,7 +420,7 @@ def _sums_may_overflow(inner_optimizer, unscaled, variables, already_summed=Fals
     return flags > 0.0
 
 
-def _record_stats(opt, plan, grads, checked, present, positions, division, boundary, decision):
+def _record_stats(opt, plan, grads, checked, present, positions, division, boundary, verdict):
     """Figures of the scaled gradients: the gradients as given, times the scale (and the
     boundaries' factors) where get_unscaled_gradients divided them."""
     already_unscaled = division.already_unscaled
@@ -393,7 +436,7 @@ def _record_stats(opt, plan, grads, checked, present, positions, division, bound
     stats = stats_lib.worst_over_replicas(stats_lib.tensor_stats(
         finite.gradient_values([grads[i] for i in present]), factors))
     stats = tf.concat([stats, tf.stack(boundary_factors)[tf.newaxis]], axis=0)
-    is_finite = decision.is_finite
-    if decision.always_applies:  # keep finite steps' figures only
+    is_finite = verdict.is_finite
+    if verdict.always_applies:  # keep finite steps' figures only
         is_finite = finite.all_finite([checked[i] for i in present], across_replicas=True)
     opt._stats.record(is_finite, stats, [positions[i] for i in present])

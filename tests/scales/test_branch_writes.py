@@ -174,6 +174,47 @@ def test_on_the_cond_plan_the_skipped_steps_writes_run_only_in_their_branch(plan
             assert "AssignVariableOp" in consumers, (variable.name, consumers)
 
 
+def _op_types(concrete):
+    """The op types of `concrete`'s own graph, and of each branch of its conds (by
+    "then"/"else"), from its GraphDef."""
+    graph_def = concrete.graph.as_graph_def()
+    library = {f.signature.name: f for f in graph_def.library.function}
+    own = [node.op for node in graph_def.node]
+    branches = {"then": [], "else": []}
+    for node in graph_def.node:
+        if node.op in ("If", "StatelessIf"):
+            for side in branches:
+                name = node.attr[f"{side}_branch"].func.name
+                branches[side] += [n.op for n in library[name].node_def]
+    return own, branches
+
+
+@pytest.mark.filterwarnings("ignore::tfdls.UnscaledLossWarning")
+@pytest.mark.parametrize("plan", ["cond", "masked"])
+def test_on_the_cond_plan_the_rest_of_the_decision_is_made_in_the_skipped_branch(plan):
+    """Before the cond, a finite step on the cond plan only decides whether to apply (one
+    reduction of the gradients' flags); which gradients overflowed and whether the
+    scale is stuck at its minimum (`live <= min_loss_scale`, the step's one LessEqual)
+    are made inside the skipped branch. The masked plan makes them before the update."""
+    keras.mixed_precision.set_global_policy("float32")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1),
+                                   jit_compile="auto" if plan == "cond" else False)
+    w = keras.Variable(tf.zeros([8]), name="w")
+    v = keras.Variable(tf.zeros([3]), name="v")
+    step = tf.function(lambda g, h: opt.apply([g, h], [w, v]))
+    concrete = step.get_concrete_function(tf.TensorSpec([8]), tf.TensorSpec([3]))
+    assert opt.step_plan.skip == plan and not opt.step_plan.compile, opt.step_plan
+    own, branches = _op_types(concrete)
+    if plan == "cond":
+        assert "LessEqual" not in own and "LogicalNot" not in own, sorted(own)
+        assert "LessEqual" in branches["else"] and "LogicalNot" in branches["else"]
+        assert "LessEqual" not in branches["then"], sorted(branches["then"])
+        # One reduction decides: the flags are not counted (no cast, sum and compare).
+        assert "Sum" not in own and "Equal" not in own, sorted(own)
+    else:
+        assert "LessEqual" in own and "LogicalNot" in own, sorted(own)
+
+
 @pytest.mark.filterwarnings("ignore::tfdls.UnscaledLossWarning")
 def test_the_cond_plan_steps_the_scale_and_record_as_the_masked_plan_does():
     """The same gradients through both plans: equal weights, scale state and record."""
