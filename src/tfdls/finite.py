@@ -22,13 +22,13 @@ Per gradient it uses one of two exact reductions:
   passes), which could turn a value within a few ulp of the float32 maximum
   into Inf, so they always take the first form.
 
-Small gradients of one dtype and shape (a deep model's equal layers) are
-stacked and reduced together, each still answered for itself
-(`STACK_MAX_ELEMENTS`): one reduction per shape instead of one per gradient.
-The yes/no check (`finite_flags`) stacks only inside XLA, which fuses a stack
-into its reduction; in graph mode a stack is a copy per step, which costs more
-than the reductions it saves. The magnitudes the scale boundaries read
-(`largest_magnitudes`) are stacked in both.
+Inside XLA, small gradients of one dtype and shape (a deep model's equal
+layers) are stacked and reduced together, each still answered for itself
+(`STACK_MAX_ELEMENTS`): one reduction per shape instead of one per gradient,
+and XLA fuses the stack into the reduction. Outside XLA each gradient is
+read alone: there a stack is a copy of its members every step, which costs
+more than the reductions it saves (the check, `finite_flags`, and the
+magnitudes the scale boundaries read, `largest_magnitudes`, alike).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _inner_axes(stacked):
     return list(range(1, stacked.shape.rank))
 
 
-# Tensors of at most this many elements that share a dtype, shape and device
+# Inside XLA, tensors of at most this many elements that share a dtype, shape and device
 # are reduced together, stacked along a new first axis: one reduction for all
 # of them instead of one each (a model of many equal layers traced, and XLA
 # compiled, a reduction per gradient; 100 Dense(64) layers have 200
@@ -166,9 +166,10 @@ class _Unit:
         return len(self.members) > 1
 
 
-def _units(values, stack=True):
-    """The reductions that read `values`: small tensors of one dtype, shape and device
-    stacked (with `stack`), every other tensor alone."""
+def _units(values):
+    """The reductions that read `values`: inside XLA small tensors of one dtype, shape
+    and device stacked, every other tensor alone."""
+    stack = _compat.in_xla_context()
     groups = {}
     for i, value in enumerate(values):
         size = value.shape.num_elements()
@@ -234,7 +235,7 @@ def finite_flags(values: Sequence[tf.Tensor]) -> tf.Tensor:
     # Stacked only inside XLA, which fuses the stack into the reduction. Outside, a
     # stack is a copy of its members every step: a 24-layer MLP's step in graph mode
     # took 1.43x the bare optimizer's with stacks, 1.27x without (Keras 3: 1.25x).
-    units = _units(values, stack=in_xla)
+    units = _units(values)
     return _in_order(units, [_finite_flag(u, in_xla, on_host) for u in units])
 
 
@@ -250,8 +251,8 @@ def largest_magnitudes(values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     tensors, one fused reduction of ``|x|`` with NaN replaced by +inf first
     (so the answer never depends on how a maximum treats NaN); elsewhere
     `finite_flags`' reduction decides finiteness and a maximum and a minimum,
-    which only read, give the largest magnitude of a finite tensor. Small
-    tensors of one shape are read together (`STACK_MAX_ELEMENTS`). Scaling
+    which only read, give the largest magnitude of a finite tensor. Inside
+    XLA small tensors of one shape are read together (`STACK_MAX_ELEMENTS`). Scaling
     is monotonic, so ``largest / divisor`` is finite exactly when every
     element's quotient is (see
     `LossScaleOptimizer` with scale boundaries). Float maxima on CPUs compare

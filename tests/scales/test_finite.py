@@ -380,18 +380,29 @@ def test_tensors_of_one_shape_read_together_answer_each_for_itself(data, run_mod
 
 def test_a_long_run_of_equal_tensors_is_read_in_stacks_of_at_most_16():
     """XLA's CPU backend compiles a stack of n tensors in time growing faster than n
-    (`finite.STACK_MAX_MEMBERS`): 40 equal small tensors are read as stacks of 16, 16
-    and 8, each tensor once and in order, and each answers for itself."""
+    (`finite.STACK_MAX_MEMBERS`): inside XLA 40 equal small tensors are read as stacks of
+    16, 16 and 8, each tensor once and in order, and each answers for itself. Outside
+    XLA (eager here) each is read alone: a stack would copy them."""
     values = [tf.fill([3], float(k)) for k in range(40)]
     values[21] = tf.constant([1.0, float("inf"), 2.0])
-    units = finite._units(values)
+    assert [unit.members for unit in finite._units(values)] == [[k] for k in range(40)]
+    seen = []
+
+    @tf.function(jit_compile=True)
+    def read(values):
+        seen.append(finite._units(values))
+        return finite.finite_flags(values), finite.largest_magnitudes(values)
+
+    compiled_flags, compiled_largest = read(values)
+    (units,) = seen
     assert [unit.members for unit in units] == [list(range(0, 16)), list(range(16, 32)),
                                                 list(range(32, 40))]
     assert [unit.value.shape.as_list() for unit in units] == [[16, 3], [16, 3], [8, 3]]
-    flags = finite.finite_flags(values).numpy()
-    assert flags.tolist() == [k != 21 for k in range(40)]
-    largest = [float(x) for x in finite.largest_magnitudes(values)]
-    assert largest == [float("inf") if k == 21 else float(k) for k in range(40)]
+    expected_largest = [float("inf") if k == 21 else float(k) for k in range(40)]
+    for flags, largest in [(finite.finite_flags(values), finite.largest_magnitudes(values)),
+                           (compiled_flags, compiled_largest)]:
+        assert flags.numpy().tolist() == [k != 21 for k in range(40)]
+        assert [float(x) for x in largest] == expected_largest
 
 
 # -- unknown shapes: from an outside review -------------------------------------------
