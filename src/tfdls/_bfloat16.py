@@ -7,6 +7,8 @@ import warnings
 import keras
 import tensorflow as tf
 
+from tfdls import _compat
+
 
 class BFloat16Warning(UserWarning):
     """Loss scaling a bfloat16 model: harmless, but it does nothing useful.
@@ -42,5 +44,5 @@ def warn_if_bfloat16(var_list):
             "optimizer alone, or silence this with warnings.filterwarnings('ignore', "
             "category=tfdls.BFloat16Warning).",
             BFloat16Warning,
-            stacklevel=3,
+            stacklevel=_compat.user_stacklevel(),
         )

@@ -23,6 +23,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from tfdls import _compat
 from tfdls._distribute import state_variable
 
 MIN_SCALE_POLICIES = ("warn", "raise", "ignore")
@@ -168,7 +169,7 @@ class MinScalePolicy:
             raise LossScaleStuckError(message)
         if not self._warned:
             self._warned = True
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            warnings.warn(message, RuntimeWarning, stacklevel=_compat.user_stacklevel())
 
 
 def names_from_mask(mask, variable_names):

@@ -305,8 +305,9 @@ def test_bfloat16_is_warned_once_and_measured_against_float16():
     opt = tfdls.LossScaleOptimizer(
         keras.optimizers.SGD(0.1), tfdls.DynamicLossScale(2.0**10), gradient_stats=True
     )
-    with pytest.warns(tfdls.BFloat16Warning, match="needs no loss scaling"):
+    with pytest.warns(tfdls.BFloat16Warning, match="needs no loss scaling") as record:
         opt.build([w])
+    assert record[0].filename == __file__  # the user's line, not tfdls'
     with warnings.catch_warnings():
         warnings.simplefilter("error", tfdls.BFloat16Warning)  # once: not again
         opt.apply([tf.constant([32.0, 0.0]) * 2.0**10], [w])

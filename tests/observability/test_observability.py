@@ -459,6 +459,17 @@ def test_fit_warn_policy_via_monitor():
         model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[tfdls.LossScaleMonitor()])
 
 
+def test_the_warn_policy_points_at_the_users_line(run_mode):
+    """The stuck-scale warning names the line that asked for the check, in any mode."""
+    opt = _stuck_opt("warn")
+    w = keras.Variable([1.0, 2.0], name="w")
+    step = run_mode(lambda g: opt.apply([g], [w]))
+    step(tf.constant([NAN, 1.0]))
+    with pytest.warns(RuntimeWarning, match=r"minimum.*w") as record:
+        opt.check_min_scale_policy()
+    assert [r.filename for r in record] == [__file__]
+
+
 @pytest.mark.parametrize("policy", ["sometimes", "Raise", None])
 def test_invalid_policy(policy):
     with pytest.raises(ValueError, match=rf"min_scale_policy.*{policy!r}"):
