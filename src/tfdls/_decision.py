@@ -4,8 +4,9 @@ Made once per step by `tfdls._step` from the gradients it checked and read by
 the loss scale (`DynamicLossScale.update_from_decision`, or `update_in_branch`
 inside the branch taken) and by the overflow record; nothing recomputes or
 changes it afterwards. Only its `is_finite` is needed before the step applies
-or skips: the rest is made where it is read (`tfdls._step.Verdict`), inside the
-skipped branch where the step branches.
+or skips (`tfdls._step.Verdict`): the whole value is made by the step's
+`Writes.make_decision` where it is read, inside the skipped branch where the
+step branches.
 """
 
 from __future__ import annotations

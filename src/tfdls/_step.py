@@ -5,10 +5,12 @@ the gradients given (None ones set aside once), the scale that multiplied
 them (the one `scale_loss` recorded, see `tfdls._record`), summed over the
 replicas in float16 where the plan says so (`tfdls._distribute`: the scaled
 gradients, before anything else). `finish` divides each by what multiplied
-it, decides (a `tfdls._decision.Decision`), then steps the scale, records
+it, decides whether to apply (a `Verdict`), then steps the scale, records
 and applies or skips: on the ``cond`` plan without a strategy, each
-outcome's writes inside the branch taken for it (`Writes`), elsewhere both
-outcomes computed and selected, then the update masked or branched. It
+outcome's writes inside the branch taken for it (`Writes`; the rest of the
+`tfdls._decision.Decision` is made in the skipped branch, which alone reads
+it), elsewhere both outcomes computed and selected, then the update masked
+or branched. It
 returns the plan that ran: the `StepPlan` it was given,
 or that plan with a ``cond`` where the masked update's audit failed. A
 compiled apply (`run_compiled`) runs `finish` as its own XLA cluster.
@@ -211,9 +213,10 @@ def _decide(opt, grads, checked, unscaled, variables, present, positions, live, 
         answered_by_scale = boundary.adapt(is_finite, counts, largest,
                                            [positions[i] for i in present])
 
-    def decision():
-        # The rest of the verdict, from the values above: read only by a skipped
-        # step's writes, so made inside its branch where the step branches.
+    def make_decision():
+        # The whole Decision, from the values above. Only a skipped step's writes
+        # read more than `is_finite`: where the step branches, this is made inside
+        # the skipped branch; where it selects, before the update.
         nonfinite = tf.logical_not(flags) if flags is not None else counts > 0
         lowers_scale = tf.logical_not(all_finite)
         stuck = tf.constant(False)
@@ -234,8 +237,8 @@ def _decide(opt, grads, checked, unscaled, variables, present, positions, live, 
         )
 
     # A custom scale stepped in its own update().
-    return Verdict(is_finite, Writes(opt, decision, [positions[i] for i in present], live,
-                                     steps_scale=not custom))
+    return Verdict(is_finite, Writes(opt, make_decision, [positions[i] for i in present],
+                                     live, steps_scale=not custom))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +275,7 @@ class Writes:
     """
 
     opt: Any
-    decide: Any  # () -> the step's Decision, made where it is called
+    make_decision: Any  # () -> the step's Decision, made where it is called
     positions: list
     live: Any
     steps_scale: bool
@@ -285,7 +288,7 @@ class Writes:
         return not self.steps_scale or _own_transitions(self.opt.loss_scale)
 
     def select(self):
-        decision = self.decide()
+        decision = self.make_decision()
         if self.steps_scale:
             loss_scale = self.opt.loss_scale
             if _own_transitions(loss_scale):
@@ -295,11 +298,12 @@ class Writes:
         self.opt._overflow.record(decision, self.positions, self._applied_steps())
 
     def branch(self, finite):
-        # A finite step's writes read nothing of the decision but its outcome.
-        decision = None if finite else self.decide()
+        # A finite step's writes read nothing of the decision but its outcome (a finite
+        # step never lowers the scale: the constant is the value the decision has there).
+        decision = None if finite else self.make_decision()
+        lowers_scale = tf.constant(False) if finite else decision.lowers_scale
         if self.steps_scale:
-            self.opt.loss_scale.update_in_branch(
-                finite, self._scale(), None if finite else decision.lowers_scale)
+            self.opt.loss_scale.update_in_branch(finite, self._scale(), lowers_scale)
         # Read in the skipped branch only, where the update did not advance it.
         applied_steps = None if finite else self._applied_steps()
         self.opt._overflow.record_in_branch(finite, decision, self.positions, applied_steps)

@@ -242,7 +242,8 @@ class OverflowRecord(tf.Module):
 
     def record_in_branch(self, finite, decision, positions, applied_steps):
         """`record` for one outcome, known when traced: the writes of a `tf.cond` branch
-        taken where the step was finite (`finite`) or skipped. Arguments as `record`'s."""
+        taken where the step was finite (`finite`) or skipped. Arguments as `record`'s;
+        a finite step reads neither `decision` nor `applied_steps` (they may be None)."""
         if finite:
             return self.steps.assign_add(1)
         step = tf.convert_to_tensor(self.steps)

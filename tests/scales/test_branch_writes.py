@@ -301,6 +301,32 @@ class _CountingScale(tfdls.DynamicLossScale):
             return super().update_from_decision(decision)
 
 
+class _BranchCountingScale(tfdls.DynamicLossScale):
+    """Overrides the public `update_in_branch` (not `update_from_decision`, so the cond
+    plan still branches) and reads its `lowers_scale` in both branches."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lowering = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def update_in_branch(self, finite, scale=None, lowers_scale=None):
+        self.lowering.assign_add(tf.cast(lowers_scale, tf.int64))
+        return super().update_in_branch(finite, scale, lowers_scale)
+
+
+@pytest.mark.filterwarnings("ignore::tfdls.UnscaledLossWarning")
+def test_a_subclass_of_update_in_branch_reads_lowers_scale_in_both_branches():
+    """From review: a finite step passes `lowers_scale` as a bool tensor (False, the
+    value a finite step's decision has), not None, to an overriding `update_in_branch`."""
+    keras.mixed_precision.set_global_policy("float32")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1), _BranchCountingScale(8.0))
+    got = _train(opt)
+    assert opt.step_plan.skip == "cond"
+    assert int(opt.loss_scale.lowering.numpy()) == 2  # the two skipped steps of _train
+    plain = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1), tfdls.DynamicLossScale(8.0))
+    assert _bits(got) == _bits(_train(plain))
+
+
 class _HalvingScale(tfdls.LossScale):
     """Not a DynamicLossScale: steps by its own `update_from_decision`."""
 

@@ -435,8 +435,8 @@ class BoundaryStep:
         divisor is finite exactly when every element's is: one reading of
         each gradient answers both the check and the adaptation. The
         quotients are computed per kind of division and vector of largest
-        magnitudes (`finite.largest_magnitude_parts`: one per dtype and
-        shape of small gradients) as vectors (elementwise, the same
+        magnitudes (`finite.largest_magnitude_parts`: one per dtype, and
+        inside XLA per shape of small gradients) as vectors (elementwise, the same
         arithmetic as each gradient's), so a step costs a few operations,
         not a few per gradient.
         """
