@@ -57,7 +57,22 @@ class ScaleRecord(tf.Module):
     def scale_for(self, live_scale, positions=None):
         """The scale the gradients of the variables at `positions` (all, if None) were
         multiplied by, as the rule says: the recorded one, or `live_scale`."""
+        return self._scale_for(tf.convert_to_tensor(self.records), live_scale, positions)
+
+    def take(self, live_scale, positions):
+        """`apply`: `scale_for(live_scale, positions)`, and the variables at `positions`
+        are marked as given to `apply` (as of the same read of the record count)."""
         records = tf.convert_to_tensor(self.records)
+        scale = self._scale_for(records, live_scale, positions)
+        if self._all(positions):
+            self.applied_at.assign(tf.fill(self.applied_at.shape, records))
+        else:
+            mask = np.zeros(self.applied_at.shape, np.bool_)
+            mask[list(positions)] = True
+            self.applied_at.assign(tf.where(mask, records, self.applied_at))
+        return scale
+
+    def _scale_for(self, records, live_scale, positions):
         if self.applied_at is None:  # not built: nothing applied yet
             fresh = records > 0
         else:
@@ -71,16 +86,6 @@ class ScaleRecord(tf.Module):
                     applied_at = tf.gather(applied_at, tf.constant(positions, tf.int32))
                 fresh = tf.reduce_all(applied_at < records)
         return tf.where(fresh, tf.convert_to_tensor(self.scale), live_scale)
-
-    def mark_applied(self, positions):
-        """`apply` received the gradients of the variables at `positions`."""
-        records = tf.convert_to_tensor(self.records)
-        if self._all(positions):
-            self.applied_at.assign(tf.fill(self.applied_at.shape, records))
-            return
-        mask = np.zeros(self.applied_at.shape, np.bool_)
-        mask[list(positions)] = True
-        self.applied_at.assign(tf.where(mask, records, self.applied_at))
 
     def _all(self, positions):
         return sorted(positions) == list(range(self.applied_at.shape[0]))

@@ -71,9 +71,7 @@ def begin(opt, plan, grads, variables, cluster=False):
     positions = opt._positions(variables)
     # The scale the gradients were multiplied by: recorded by scale_loss, not
     # re-read (an earlier apply of this step may have changed it).
-    live, scale = opt._scales(positions)
-    if opt.loss_scale.can_skip:
-        opt._record.mark_applied(positions)
+    live, scale = opt._scales(positions, applying=True)
     # The unscaling rule, at run time: divide by 1 if get_unscaled_gradients
     # already divided this step's gradients.
     division = _division.Division(scale, opt._unscaling.consume(), plan.division)
@@ -185,13 +183,14 @@ def _decide(opt, grads, checked, unscaled, variables, present, positions, live, 
     if boundary is not None and not custom:
         # Each gradient divided by its own divisor can overflow (a factor below 1).
         counts, largest = boundary.check(grads, present, plan.divide)
-    elif custom or _distribute.has_strategy():
-        # Per gradient: how many replicas saw NaN/Inf (the same on all replicas).
-        counts = finite.nonfinite_counts(
-            finite.gradient_values([checked[i] for i in present]), across_replicas=True)
     else:
-        # One replica: its per-gradient flags decide, with one reduction.
-        flags = finite.finite_flags(finite.gradient_values([checked[i] for i in present]))
+        values = finite.gradient_values([checked[i] for i in present])
+        if custom or _distribute.has_strategy():
+            # Per gradient: how many replicas saw NaN/Inf (the same on all replicas).
+            counts = finite.nonfinite_counts(values, across_replicas=True)
+        else:
+            # One replica: its per-gradient flags decide, with one reduction.
+            flags = finite.finite_flags(values)
     # A step whose sums could overflow is skipped too, whatever a custom scale
     # decided; a lower scale cannot help (they are sums of divided gradients).
     may_overflow = _sums_may_overflow(opt.inner_optimizer, [unscaled[i] for i in present],

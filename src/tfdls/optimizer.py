@@ -298,12 +298,15 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
             boundaries_lib.record_factors(self._boundary_scales.boundaries)
         return keras.ops.multiply(loss, scale)
 
-    def _scales(self, positions=None):
+    def _scales(self, positions=None, applying=False):
         """The scale now, and the scale that multiplied the gradients of the variables at
-        `positions` (all of the optimizer's, if None) by the rule of `tfdls._record`."""
+        `positions` (all of the optimizer's, if None) by the rule of `tfdls._record`;
+        `applying`: `apply` receives them (the record notes it)."""
         live = self.loss_scale()
         if not self.loss_scale.can_skip:  # fixed: the same when recorded and when read
             return live, live
+        if applying:
+            return live, self._record.take(live, positions)
         return live, self._record.scale_for(live, positions)
 
     def _positions(self, trainable_variables):
