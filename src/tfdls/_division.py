@@ -342,7 +342,8 @@ def multiply(grad, factor):
 class Division:
     """How this step divides a gradient: by `divisor`, the recorded scale (1 where
     `get_unscaled_gradients` already divided this step's gradients), the way `how`
-    says (`divide`)."""
+    says (`divide`). `already_unscaled` is a scalar bool tensor: a constant False
+    where the step knows when traced that nothing was divided (`tfdls._carried_scale`)."""
 
     scale: Any
     already_unscaled: Any
@@ -350,6 +351,9 @@ class Division:
 
     @functools.cached_property  # one op per step, not one per gradient divided
     def divisor(self):
+        known = tf.get_static_value(self.already_unscaled)  # a constant when traced
+        if known is not None and not known:
+            return self.scale
         return tf.where(self.already_unscaled, tf.ones_like(self.scale), self.scale)
 
     @functools.cached_property  # likewise: one set of ops per step

@@ -18,6 +18,8 @@ when the step runs, not when it is traced: the same rule in eager code,
 `tf.function`s, XLA, loops and across functions, with no branch and no host
 read. Scale boundaries' factors are recorded by `scale_loss` too, and every
 backward pass of the step multiplies by them (`tfdls.boundaries.record_factors`).
+In a `tf.function` whose `scale_loss` left the record as it wrote it, `apply`
+takes that call's scale without reading the record back (`tfdls._carried_scale`).
 """
 
 from __future__ import annotations
@@ -64,13 +66,21 @@ class ScaleRecord(tf.Module):
         are marked as given to `apply` (as of the same read of the record count)."""
         records = tf.convert_to_tensor(self.records)
         scale = self._scale_for(records, live_scale, positions)
+        self._mark_applied(positions, records)
+        return scale
+
+    def mark_applied(self, positions):
+        """`apply`, knowing its scale without `take` (`tfdls._carried_scale`): the variables
+        at `positions` are marked as given to `apply`."""
+        self._mark_applied(positions, tf.convert_to_tensor(self.records))
+
+    def _mark_applied(self, positions, records):
         if self._all(positions):
             self.applied_at.assign(tf.fill(self.applied_at.shape, records))
         else:
             mask = np.zeros(self.applied_at.shape, np.bool_)
             mask[list(positions)] = True
             self.applied_at.assign(tf.where(mask, records, self.applied_at))
-        return scale
 
     def _scale_for(self, records, live_scale, positions):
         if self.applied_at is None:  # not built: nothing applied yet

@@ -69,12 +69,21 @@ def begin(opt, plan, grads, variables, cluster=False):
     own (see `run_compiled`)."""
     present = [i for i, g in enumerate(grads) if g is not None]
     positions = opt._positions(variables)
-    # The scale the gradients were multiplied by: recorded by scale_loss, not
-    # re-read (an earlier apply of this step may have changed it).
-    live, scale = opt._scales(positions, applying=True)
-    # The unscaling rule, at run time: divide by 1 if get_unscaled_gradients
-    # already divided this step's gradients.
-    division = _division.Division(scale, opt._unscaling.consume(), plan.division)
+    carried = opt._carried.take() if opt.loss_scale.can_skip else None
+    if carried is not None:
+        # This function's scale_loss read it, and nothing wrote the scale, its
+        # record or the unscaling flag since (`tfdls._carried_scale`).
+        live = scale = carried
+        opt._record.mark_applied(positions)
+        already_unscaled = tf.constant(False)
+    else:
+        # The scale the gradients were multiplied by: recorded by scale_loss, not
+        # re-read (an earlier apply of this step may have changed it).
+        live, scale = opt._scales(positions, applying=True)
+        # The unscaling rule, at run time: divide by 1 if get_unscaled_gradients
+        # already divided this step's gradients.
+        already_unscaled = opt._unscaling.consume()
+    division = _division.Division(scale, already_unscaled, plan.division)
     if plan.all_reduce == AllReduce.FLOAT16:
         grads, division = _sum_in_float16(grads, present, plan, division)
     boundary = None

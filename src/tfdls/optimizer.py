@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from tfdls import _bfloat16, _compat, _distribute, _division, _keras_style, _plan
-from tfdls import _forgotten_scale, _record, _step, _unscaling
+from tfdls import _carried_scale, _forgotten_scale, _record, _step, _unscaling
 from tfdls._bfloat16 import BFloat16Warning  # noqa: F401 (tfdls.optimizer.BFloat16Warning)
 from tfdls import boundaries as boundaries_lib
 from tfdls.boundaries.step import BoundaryScales
@@ -185,6 +185,8 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
         self._unscaling = _unscaling.UnscaleState()
         # The scale scale_loss multiplied by, which apply divides by (`tfdls._record`).
         self._record = _record.ScaleRecord()
+        # What apply may take from its function's scale_loss unread (`tfdls._carried_scale`).
+        self._carried = _carried_scale.CarriedScale()
         # Whether a scaled loss preceded each apply (`tfdls._forgotten_scale`).
         self._scaled_loss_watch = _forgotten_scale.ScaledLossWatch()
         # Made by build():
@@ -292,6 +294,9 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
         scale = self.loss_scale()
         if self.loss_scale.can_skip:  # a scale that never skips never changes
             self._record.record(scale)
+        if type(self.loss_scale) is loss_scale_lib.DynamicLossScale:
+            self._carried.scaled(scale, [self.loss_scale.current_loss_scale, self._record.scale,
+                                         self._unscaling.gradients_unscaled])
         if self._boundary_scales is not None:
             # The factors this step's backward passes multiply by and its
             # applies divide by: an adaptation takes effect from here.
