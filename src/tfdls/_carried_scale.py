@@ -4,20 +4,23 @@ The rule, in one sentence:
 
     In a `tf.function`, `apply` takes the scale that the same function's last
     `scale_loss` read, as the live and the recorded scale alike, and the
-    gradients as not unscaled, while the function holds no operation, created
-    after that call, that takes the loss scale's variable, the recorded scale
-    or the unscaling flag other than to read it.
+    gradients as not unscaled, while every operation created in the function
+    since that call is either stateless or an operation on the variables it
+    takes, and none but a read takes the loss scale's variable, the recorded
+    scale or the unscaling flag.
 
 Why it is exact: in a `tf.function` TensorFlow runs the operations on one
 variable in program order, so with no write since `scale_loss` each of them
 holds what `scale_loss` left there: the scale it read, that scale recorded,
 the flag cleared. `apply` then reads nothing the rule (`tfdls._record`,
-`tfdls._unscaling`) would have read: that is 13 operations less in each step of
-a `fit`. Anything that may write one of the three (a second `apply`,
-`get_unscaled_gradients`, the scale's own `update`, an assignment, or a call
-of a function, a branch or a loop that captured one of them) takes its
-variable handle as an input, so the next `apply` of the function reads them
-as before. Only for `tfdls.DynamicLossScale` itself (whose value is its one
+`tfdls._unscaling`) would have read: 13 operations less in each step of a
+`fit`. A write to one of the three takes its handle (a second `apply`,
+`get_unscaled_gradients`, the scale's own `update`, an assignment); code the
+graph does not show may write anything (a call of a function, a branch or a
+loop, `tf.py_function`, a `tf.data` iterator running a dataset's function:
+stateful operations that are not operations on the variables they take).
+After either, `apply` reads them as before. Only for the
+`tfdls.DynamicLossScale` that `scale_loss` read (whose value is its one
 variable, read through `_read_scale`), outside any `tf.distribute` strategy
 (replicas hold their own copies) and not eagerly (eager code orders nothing
 it has not run already, and reads cost it nothing extra).
@@ -31,18 +34,24 @@ import tensorflow as tf
 
 from tfdls import _distribute
 
+# Stateful operations that act on the variables they take and on nothing else.
+_VARIABLE_OPS = frozenset({
+    "ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+    "VarIsInitializedOp", "VariableShape", "ResourceGather", "ResourceGatherNd",
+})
+_VARIABLE_OP_PREFIXES = ("ResourceScatter", "ResourceApply", "ResourceSparseApply")
+
 
 class CarriedScale:
     """Per traced function, what its last `scale_loss` left (see the module docstring)."""
 
     def __init__(self):
-        # graph -> (the scale's tensor name, {handle tensor name: writes seen}).
-        # Names, not tensors: a released graph takes its entry along.
+        # graph -> _Entry. Names, not tensors: a released graph takes its entry along.
         self._by_graph = weakref.WeakKeyDictionary()
 
-    def scaled(self, scale, variables):
-        """`scale_loss` read `scale` and left `variables` (the scale's, the record's, the
-        flag) as the rule says; call after its last write."""
+    def scaled(self, loss_scale, scale, variables):
+        """`scale_loss` read `scale` from `loss_scale` and left `variables` (the scale's,
+        the record's, the flag) as the rule says; call after its last write."""
         graph = _function_graph()
         if graph is None:
             return
@@ -50,20 +59,34 @@ class CarriedScale:
         if handles is None:
             self._by_graph.pop(graph, None)
             return
-        self._by_graph[graph] = (scale.name, {h.name: _writes(h) for h in handles})
+        self._by_graph[graph] = _Entry(weakref.ref(loss_scale), scale.name,
+                                       frozenset(h.name for h in handles),
+                                       len(graph.get_operations()))
 
-    def take(self):
-        """`apply`: the scale its function's `scale_loss` read, if the rule lets it take
-        it without reading (else None)."""
+    def take(self, loss_scale):
+        """`apply` with `loss_scale`: the scale its function's `scale_loss` read, if the rule
+        lets it take it without reading (else None)."""
         graph = _function_graph()
         entry = None if graph is None else self._by_graph.get(graph)
-        if entry is None:
+        if entry is None or entry.loss_scale() is not loss_scale:
             return None
-        scale_name, writes = entry
-        for name, seen in writes.items():
-            if _writes(graph.get_tensor_by_name(name)) != seen:
+        for op in graph.get_operations()[entry.operations:]:
+            if op.type != "ReadVariableOp" and any(t.name in entry.handles for t in op.inputs):
                 return None
-        return graph.get_tensor_by_name(scale_name)
+            if op.op_def.is_stateful and not (op.type in _VARIABLE_OPS
+                                              or op.type.startswith(_VARIABLE_OP_PREFIXES)):
+                return None
+        return graph.get_tensor_by_name(entry.scale)
+
+
+class _Entry:
+    """What one `scale_loss` left: its loss scale (weakly), the scale it read (a tensor
+    name), the three variables' handles as the graph holds them (names), and how many
+    operations the graph held after it."""
+
+    def __init__(self, loss_scale, scale, handles, operations):
+        self.loss_scale, self.scale = loss_scale, scale
+        self.handles, self.operations = handles, operations
 
 
 def _function_graph():
@@ -80,7 +103,3 @@ def _handles(graph, variables):
     handles = [captured.get(id(v.handle)) for v in variables]
     return None if any(h is None for h in handles) else handles
 
-
-def _writes(handle):
-    """How many operations take `handle` other than to read it."""
-    return sum(op.type != "ReadVariableOp" for op in handle.consumers())

@@ -69,7 +69,7 @@ def begin(opt, plan, grads, variables, cluster=False):
     own (see `run_compiled`)."""
     present = [i for i, g in enumerate(grads) if g is not None]
     positions = opt._positions(variables)
-    carried = opt._carried.take() if opt.loss_scale.can_skip else None
+    carried = opt._carried.take(opt.loss_scale)
     if carried is not None:
         # This function's scale_loss read it, and nothing wrote the scale, its
         # record or the unscaling flag since (`tfdls._carried_scale`).

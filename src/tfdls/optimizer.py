@@ -295,8 +295,9 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
         if self.loss_scale.can_skip:  # a scale that never skips never changes
             self._record.record(scale)
         if type(self.loss_scale) is loss_scale_lib.DynamicLossScale:
-            self._carried.scaled(scale, [self.loss_scale.current_loss_scale, self._record.scale,
-                                         self._unscaling.gradients_unscaled])
+            self._carried.scaled(self.loss_scale, scale, [
+                self.loss_scale.current_loss_scale, self._record.scale,
+                self._unscaling.gradients_unscaled])
         if self._boundary_scales is not None:
             # The factors this step's backward passes multiply by and its
             # applies divide by: an adaptation takes effect from here.

@@ -72,7 +72,23 @@ BETWEEN = {
     "branch": lambda opt, grads, helpers: (tf.cond(
         tf.reduce_sum(X) < 1e9, lambda: (_grow_scale(opt), tf.constant(0))[1],
         lambda: tf.constant(0)), grads)[1],
+    # Code the graph does not show: a Python function, a dataset's map function (built
+    # outside the step).
+    "py_function": lambda opt, grads, helpers: _hidden(grads, helpers, lambda: tf.py_function(
+        lambda: (_grow_scale(opt), 0.0)[1], [], tf.float32)),
+    "dataset_iterator": lambda opt, grads, helpers: _hidden(
+        grads, helpers, lambda: next(helpers["iterator"])),
 }
+
+
+def _hidden(grads, helpers, write):
+    """Runs `write` after the gradients (so after `scale_loss`), and `apply` after it:
+    TensorFlow orders neither against the variable it writes."""
+    with tf.control_dependencies([grads[0]]):
+        helpers["after"].append(write())
+    return grads
+# What XLA cannot compile: run in graph mode and with a compiled apply only.
+NOT_IN_XLA = ("py_function", "dataset_iterator")
 
 
 def _step(model, opt, between, split, helpers):
@@ -80,22 +96,31 @@ def _step(model, opt, between, split, helpers):
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.square(model(X) - Y))
         scaled = opt.scale_loss(loss)
+    helpers["after"] = []
     grads = BETWEEN[between](opt, tape.gradient(scaled, variables), helpers)
-    if split:  # two applies: the first steps the scale, the second must not see it
-        opt.apply(grads[:2], variables[:2])
-        opt.apply(grads[2:], variables[2:])
-    else:
-        opt.apply(grads, variables)
+    with tf.control_dependencies(helpers["after"]):
+        if split:  # two applies: the first steps the scale, the second must not see it
+            opt.apply(grads[:2], variables[:2])
+            opt.apply(grads[2:], variables[2:])
+        else:
+            opt.apply(grads, variables)
 
 
 def _run(mode, between, split, steps=2, carry=True, per_call=1):
     whole_step_xla, jit_compile = MODES[mode]
     model, opt = _model(), _optimizer(jit_compile)
     if not carry:
-        opt._carried.take = lambda: None
+        opt._carried.take = lambda loss_scale: None
     opt.build(model.trainable_variables)
     helpers = {"grow": tf.function(lambda: _grow_scale(opt)), "split": split}
     helpers["grow"].get_concrete_function()  # traced before the step is
+    scale = opt.loss_scale.current_loss_scale
+    # Run when asked for, not ahead (tf.data prefetches by default).
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    options.experimental_optimization.inject_prefetch = False
+    helpers["iterator"] = iter(tf.data.Dataset.range(100).map(
+        lambda _: scale.assign(scale * 4.0)).with_options(options))
 
     def steps_of_one_call():  # several steps in one function, as steps_per_execution
         for _ in range(per_call):
@@ -110,14 +135,23 @@ def _run(mode, between, split, steps=2, carry=True, per_call=1):
     return state, step, opt
 
 
-# Two steps in one call (as `steps_per_execution`) in graph mode only: the rule is
-# per traced function, the same in every mode.
-CALLS = [(mode, 1) for mode in MODES] + [("graph", 2)]
+# Every write in every mode with one apply; with two applies (the record's own rule), the
+# writes that take the variables; two steps in one call (as `steps_per_execution`) in
+# graph mode: the rule is per traced function, the same in every mode.
+SEQUENCES = (
+    [(mode, 1, between, False) for mode in MODES for between in BETWEEN
+     if not (mode == "xla" and between in NOT_IN_XLA)]
+    + [(mode, 1, between, True) for mode in MODES
+       for between in ("nothing", "get_unscaled_gradients", "assignment", "scale_update")]
+    + [("graph", 2, between, False)
+       for between in ("nothing", "get_unscaled_gradients", "py_function", "dataset_iterator")]
+)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one_apply", "two_applies"])
-@pytest.mark.parametrize("between", list(BETWEEN))
-@pytest.mark.parametrize("mode, per_call", CALLS, ids=[f"{m}-{n}_steps" for m, n in CALLS])
+@pytest.mark.parametrize(
+    "mode, per_call, between, split", SEQUENCES,
+    ids=[f"{m}-{n}_steps-{b}-{'two_applies' if t else 'one_apply'}"
+         for m, n, b, t in SEQUENCES])
 def test_a_step_matches_the_one_that_reads_everything(mode, per_call, between, split):
     carried, _, _ = _run(mode, between, split, per_call=per_call)
     read, _, _ = _run(mode, between, split, carry=False, per_call=per_call)
@@ -140,3 +174,31 @@ def test_apply_reads_neither_the_record_nor_the_flag_after_its_scale_loss(mode):
     assert _reads(graph, opt._unscaling.gradients_unscaled) == 0
     # The live scale: read once, by scale_loss.
     assert _reads(graph, opt.loss_scale.current_loss_scale) == 1
+
+
+def test_a_loss_scale_replaced_between_scale_loss_and_apply_is_read():
+    """`apply` steps the scale it has now; only the one `scale_loss` read is carried."""
+    results = []
+    for carry in (True, False):
+        model, opt = _model(), _optimizer(False)
+        if not carry:
+            opt._carried.take = lambda loss_scale: None
+        opt.build(model.trainable_variables)
+        first = opt.loss_scale
+        second = tfdls.DynamicLossScale(initial_loss_scale=2.0**5, increment_period=1)
+
+        @tf.function
+        def step():
+            opt.loss_scale = first
+            variables = model.trainable_variables
+            with tf.GradientTape() as tape:
+                scaled = opt.scale_loss(tf.reduce_mean(tf.square(model(X) - Y)))
+            grads = tape.gradient(scaled, variables)
+            opt.loss_scale = second
+            opt.apply(grads, variables)
+
+        step()
+        results.append([first.current_loss_scale.numpy(), second.current_loss_scale.numpy()]
+                       + [v.numpy() for v in model.trainable_variables])
+    for carried, read in zip(*results):
+        np.testing.assert_array_equal(carried, read)
