@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfdls import finite
+from tfdls import _compat, finite
 from tfdls._distribute import state_variable
 from tfdls._division import is_power_of_two
 
@@ -474,8 +474,33 @@ class DynamicLossScale(LossScale):
             scale: the scale as this step read it, if it has.
             lowers_scale: for a skipped step, as in `update_from_decision`.
         """
+        if finite and not _compat.in_xla_context():
+            return self._finite_step_in_branch(scale)
         state = self._read_state(scale, finite)
         return self._write(self._transition(state, finite, lowers_scale))
+
+    def _finite_step_in_branch(self, scale):
+        """A finite step's writes, with the growth in a branch of its own: most finite steps
+        only count (two increments and the scale written back as read), a few grow.
+
+        The same values as `_transition`'s finite outcome, bit for bit. Used in graph
+        mode, where each operation is a task of TensorFlow's executor and a branch not
+        taken costs nothing; inside XLA the selection fuses into one kernel and stays.
+        """
+        good_steps = self.num_good_steps.assign_add(1)
+        self.steps_since_overflow_variable.assign_add(1)
+        s = self._current() if scale is None else scale
+
+        def grow():
+            return self._write({"scale": self._grown(s), "good_steps": tf.constant(0, tf.int64),
+                                "hysteresis_budget": tf.constant(self._hysteresis, tf.int64)})
+
+        def count():
+            # Written back as read: a value written from elsewhere leaves the
+            # variable as the scale in use (see `_read_scale`), as the selection does.
+            return self._write({"scale": s})
+
+        return tf.cond(good_steps >= self._increment_period, grow, count)
 
     def _read_state(self, scale=None, finite=None):
         """The state, by name: all of it, or what the `finite` outcome's transition reads.
@@ -503,12 +528,8 @@ class DynamicLossScale(LossScale):
         s, g, h = state["scale"], state["good_steps"], state["hysteresis_budget"]
         if finite:
             grow = g + 1 >= self._increment_period
-            grown = s * tf.constant(self._multiplier, tf.float32)
-            if self._max_loss_scale is not None:
-                grown = tf.minimum(grown, self._max_loss_scale)
-            grown = tf.where(tf.math.is_finite(grown), grown, s)
             return {
-                "scale": tf.where(grow, grown, s),
+                "scale": tf.where(grow, self._grown(s), s),
                 "good_steps": tf.where(grow, tf.zeros_like(g), g + 1),
                 "hysteresis_budget": tf.where(grow, tf.constant(self._hysteresis, tf.int64), h),
                 "steps_since_overflow": state["steps_since_overflow"] + 1,
@@ -538,6 +559,13 @@ class DynamicLossScale(LossScale):
             "skipped_steps": state["skipped_steps"] + 1,
             "steps_since_overflow": tf.zeros_like(state["steps_since_overflow"]),
         }
+
+    def _grown(self, s):
+        """The scale after growing from `s`: capped, and `s` where the product is infinite."""
+        grown = s * tf.constant(self._multiplier, tf.float32)
+        if self._max_loss_scale is not None:
+            grown = tf.minimum(grown, self._max_loss_scale)
+        return tf.where(tf.math.is_finite(grown), grown, s)
 
     def _write(self, values):
         variables = self._variables_by_name()
