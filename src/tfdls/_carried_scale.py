@@ -28,6 +28,7 @@ it has not run already, and reads cost it nothing extra).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import tensorflow as tf
@@ -79,14 +80,14 @@ class CarriedScale:
         return graph.get_tensor_by_name(entry.scale)
 
 
+@dataclasses.dataclass(frozen=True)
 class _Entry:
-    """What one `scale_loss` left: its loss scale (weakly), the scale it read (a tensor
-    name), the three variables' handles as the graph holds them (names), and how many
-    operations the graph held after it."""
+    """What one `scale_loss` left, in names (a released graph takes its entry along)."""
 
-    def __init__(self, loss_scale, scale, handles, operations):
-        self.loss_scale, self.scale = loss_scale, scale
-        self.handles, self.operations = handles, operations
+    loss_scale: weakref.ref  # the loss scale it read, weakly
+    scale: str  # the scale it read: a tensor's name
+    handles: frozenset  # the three variables' handles as the graph holds them: names
+    operations: int  # how many operations the graph held after it
 
 
 def _function_graph():
