@@ -278,8 +278,11 @@ class Writes:
     `select` writes both outcomes' values selected by the decision, with no
     branch; `branch` writes one outcome's, inside the `tf.cond` branch taken
     for it. The algorithm is written once (`DynamicLossScale._transition`,
-    `OverflowRecord._after_skipped`); a step on the ``"cond"`` plan without a
-    strategy runs the finite step's few writes and none of the skipped one's.
+    `OverflowRecord._after_skipped`), but for the finite outcome in a branch
+    outside XLA, which grows the scale in a branch of its own
+    (`DynamicLossScale._finite_step_in_branch`, sharing `_grown`); a step on
+    the ``"cond"`` plan without a strategy runs the finite step's few writes
+    and none of the skipped one's.
     """
 
     opt: Any

@@ -488,7 +488,7 @@ class DynamicLossScale(LossScale):
         taken costs nothing; inside XLA the selection fuses into one kernel and stays.
         """
         good_steps = self.num_good_steps.assign_add(1)
-        self.steps_since_overflow_variable.assign_add(1)
+        counted = self.steps_since_overflow_variable.assign_add(1)
         s = self._current() if scale is None else scale
 
         def grow():
@@ -500,7 +500,8 @@ class DynamicLossScale(LossScale):
             # variable as the scale in use (see `_read_scale`), as the selection does.
             return self._write({"scale": s})
 
-        return tf.cond(good_steps >= self._increment_period, grow, count)
+        # Every write in what is returned: a TF1 graph runs only what its caller runs.
+        return tf.group(counted, tf.cond(good_steps >= self._increment_period, grow, count))
 
     def _read_state(self, scale=None, finite=None):
         """The state, by name: all of it, or what the `finite` outcome's transition reads.

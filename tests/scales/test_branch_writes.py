@@ -375,3 +375,24 @@ def test_a_scale_with_its_own_update_from_decision_steps_by_it(how):
     lr = np.float32(0.1)  # SGD: w - lr * (g / scale), the skipped steps left out
     first = np.float32(1) - lr * (np.float32([1, 2, 3, 4]) / np.float32(1024))
     np.testing.assert_array_equal(w, first - lr * (np.float32(1) / np.float32(512)))
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_what_a_branch_returns_runs_every_write_in_a_tf1_graph(finite):
+    """In a `tf.compat.v1` graph nothing orders or runs a write that the op run does not
+    depend on: `update_in_branch` returns one op that runs them all, as
+    `update_from_decision`'s does."""
+    config = dict(initial_loss_scale=8.0, increment_period=2, hysteresis=2)
+    with tf.Graph().as_default():
+        branched = tfdls.DynamicLossScale(**config)
+        selected = tfdls.DynamicLossScale(**config)
+        steps = [branched.update_in_branch(finite, lowers_scale=tf.constant(True)),
+                 selected.update_from_decision(Decision(is_finite=tf.constant(finite),
+                                                        lowers_scale=tf.constant(True)))]
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            for _ in range(3):
+                for step in steps:
+                    session.run(step)
+            values = [session.run(_scale_variables(ls)) for ls in (branched, selected)]
+    assert _bits(values[0]) == _bits(values[1])
