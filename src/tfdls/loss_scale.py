@@ -483,9 +483,10 @@ class DynamicLossScale(LossScale):
         """A finite step's writes, with the growth in a branch of its own: most finite steps
         only count (two increments and the scale written back as read), a few grow.
 
-        The same values as `_transition`'s finite outcome, bit for bit. Used in graph
-        mode, where each operation is a task of TensorFlow's executor and a branch not
-        taken costs nothing; inside XLA the selection fuses into one kernel and stays.
+        The same values as `_transition`'s finite outcome, bit for bit. Used outside XLA
+        (graph mode, where each operation is a task of TensorFlow's executor and a branch
+        not taken costs nothing, and eagerly); inside XLA the selection fuses into one
+        kernel and stays.
         """
         good_steps = self.num_good_steps.assign_add(1)
         counted = self.steps_since_overflow_variable.assign_add(1)
