@@ -33,13 +33,12 @@ import weakref
 
 import tensorflow as tf
 
-from tfdls import _distribute
+from tfdls import _distribute, _masked_update
 
-# Stateful operations that act on the variables they take and on nothing else.
-_VARIABLE_OPS = frozenset({
-    "ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
-    "VarIsInitializedOp", "VariableShape", "ResourceGather", "ResourceGatherNd",
-})
+# Stateful operations that act on the variables they take and on nothing else: the
+# masked update's audit's reads and plain writes (its Identity is not stateful), and
+# the scatters and the fused optimizer kernels.
+_VARIABLE_OPS = _masked_update._READ_OPS | _masked_update._WRITE_OPS
 _VARIABLE_OP_PREFIXES = ("ResourceScatter", "ResourceApply", "ResourceSparseApply")
 
 
