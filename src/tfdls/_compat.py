@@ -177,6 +177,9 @@ def _lookup():
         raise _missing("tf.__internal__.distribute.strategy_supports_no_merge_call")
     summary_pb2 = _require("tensorflow.core.framework.summary_pb2")
     record = _require("tensorflow.python.eager.record", "could_possibly_record")
+    trackable = _require("tensorflow.python.trackable.base", "VARIABLE_VALUE_KEY")
+    if not hasattr(getattr(tf.__internal__, "tracking", None), "Trackable"):  # pragma: no cover
+        raise _missing("tf.__internal__.tracking.Trackable")
     # Optional: without it `computed_once` changes nothing but XLA's compile time.
     try:
         xla_ops = _require("tensorflow.compiler.tf2xla.ops.gen_xla_ops",
@@ -186,7 +189,8 @@ def _lookup():
     for name in OPTIMIZER_METHODS:
         if not callable(getattr(keras.optimizers.Optimizer, name, None)):  # pragma: no cover
             raise _missing(f"keras.optimizers.Optimizer.{name}")
-    return control_flow_util, tf_config, func_graphs, internal, summary_pb2, record, xla_ops
+    return (control_flow_util, tf_config, func_graphs, internal, summary_pb2, record, xla_ops,
+            tf.__internal__.tracking.Trackable, trackable.VARIABLE_VALUE_KEY)
 
 
 # Private members of keras.optimizers.Optimizer that tfdls' subclass uses,
@@ -221,6 +225,10 @@ check_versions()
     summary_pb2,
     _record,
     _xla_ops,
+    # The base of objects a checkpoint saves (`_serialize_to_tensors`), and the name a
+    # variable's value has there: `tfdls._packed_state` saves fields as variables.
+    Trackable,
+    VARIABLE_VALUE_KEY,
 ) = _lookup()
 
 

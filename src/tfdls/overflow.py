@@ -23,8 +23,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from tfdls import _compat
-from tfdls._distribute import state_variable
+from tfdls import _compat, _packed_state
 
 MIN_SCALE_POLICIES = ("warn", "raise", "ignore")
 
@@ -177,7 +176,7 @@ def names_from_mask(mask, variable_names):
     return tuple(name for name, hit in zip(variable_names, np.asarray(mask)) if hit)
 
 
-class OverflowRecord(tf.Module):
+class OverflowRecord(_packed_state.PackedModule):
     """The device-side record of overflows and its host-side readers.
 
     Args:
@@ -189,10 +188,11 @@ class OverflowRecord(tf.Module):
         gradient_stats: an optional `tfdls.gradient_stats.GradientStatsRecord`
             whose headroom figures reports and warnings quote.
 
-    The variables are diagnostics, not training state: they are not in the
-    optimizer's `variables` (nor in `.keras` files, where a loaded model
-    starts a new record). They are tracked, so that a SavedModel can export
-    a training step, and `tf.train.Checkpoint` carries them.
+    The record is diagnostics, not training state: it is not in the optimizer's
+    `variables` (nor in `.keras` files, where a loaded model starts a new
+    record). Its fields are one variable (`tfdls._packed_state`: one argument
+    of every step), tracked so that a SavedModel can export a training step;
+    `tf.train.Checkpoint` carries each field under its own name.
     """
 
     def __init__(self, variable_names, attribution, policy, gradient_stats=None):
@@ -201,23 +201,24 @@ class OverflowRecord(tf.Module):
         self.attribution = attribution
         self.policy = policy
         self.gradient_stats = gradient_stats
-        self.mask = state_variable(
-            "overflow_mask", np.zeros([len(self.variable_names)], np.bool_), tf.bool
+        unmarked = np.zeros([len(self.variable_names)], np.bool_)
+        # The fields under the names checkpoints have held them by (as variables).
+        self._pack(
+            "overflow_record",
+            mask=unmarked,
+            # Every step, skipped ones included; and the last skipped one's number
+            # and the optimizer's iterations then.
+            steps=np.int64(0),
+            last_step=np.int64(-1),
+            last_applied_steps=np.int64(-1),
+            stuck_overflows=np.int64(0),
+            # Variables whose finite gradients' sums could overflow, and the step
+            # that wrote them: written only by steps that form such sums, so a
+            # report shows them only if they are the last skipped step's.
+            sum_mask=unmarked,
+            sum_step=np.int64(-1),
         )
-        # Every step, skipped ones included; and the last skipped one's number
-        # and the optimizer's iterations then.
-        self.steps = state_variable("steps", 0, tf.int64)
-        self.last_step = state_variable("last_overflow_step", -1, tf.int64)
-        self.last_applied_steps = state_variable("last_overflow_applied_steps", -1, tf.int64)
-        self.stuck_overflows = state_variable("stuck_overflows", 0, tf.int64)
         self._stuck_overflows_seen = 0
-        # Variables whose finite gradients' sums could overflow, and the step
-        # that wrote them: written only by steps that form such sums, so a
-        # report shows them only if they are the last skipped step's.
-        self.sum_mask = state_variable(
-            "sum_overflow_mask", np.zeros([len(self.variable_names)], np.bool_), tf.bool
-        )
-        self.sum_step = state_variable("sum_overflow_step", -1, tf.int64)
 
     def record(self, decision, positions, applied_steps):
         """In-step, branch-free: counts the step; records a skipped step's attribution.
@@ -231,40 +232,37 @@ class OverflowRecord(tf.Module):
                 `variable_names`.
             applied_steps: the optimizer's iterations (int64 scalar).
         """
-        step = tf.convert_to_tensor(self.steps)
-        skipped = self._after_skipped(step, decision, positions, applied_steps)
-        return tf.group(
-            self.steps.assign(step + 1),
-            *[variable.assign(tf.where(decision.is_finite, variable, value))
-              for variable, value in skipped],
-            # Only a skipped step is stuck.
-            self.stuck_overflows.assign_add(tf.cast(decision.stuck, tf.int64)))
+        vector = tf.convert_to_tensor(self.state)
+        # Only a skipped step is stuck.
+        counted = vector + self.packed.delta(steps=1, stuck_overflows=decision.stuck)
+        skipped = self._after_skipped(vector, decision, positions, applied_steps)
+        return self.state.assign(tf.where(decision.is_finite, counted, skipped))
 
     def record_in_branch(self, finite, decision, positions, applied_steps):
         """`record` for one outcome, known when traced: the writes of a `tf.cond` branch
         taken where the step was finite (`finite`) or skipped. Arguments as `record`'s;
         a finite step reads neither `decision` nor `applied_steps` (they may be None)."""
         if finite:
-            return self.steps.assign_add(1)
-        step = tf.convert_to_tensor(self.steps)
-        skipped = self._after_skipped(step, decision, positions, applied_steps)
-        return tf.group(self.steps.assign(step + 1),
-                        *[variable.assign(value) for variable, value in skipped],
-                        self.stuck_overflows.assign_add(tf.cast(decision.stuck, tf.int64)))
+            return self.packed.add(steps=1)
+        vector = tf.convert_to_tensor(self.state)
+        return self.state.assign(self._after_skipped(vector, decision, positions, applied_steps))
 
-    def _after_skipped(self, step, decision, positions, applied_steps):
-        """What a skipped step numbered `step` writes, as (variable, value) pairs; a finite
-        step leaves them (`stuck_overflows` and `steps` are counted by the callers)."""
-        values = []
+    def _after_skipped(self, vector, decision, positions, applied_steps):
+        """The record after a skipped step, from its read `vector`: the step counted, its
+        number and `applied_steps` as the last overflow's, its attribution."""
+        fields = self.packed.unpack(vector)
+        step = fields["steps"]
         if self.attribution:
-            values.append((self.mask, self._over_variables(decision.nonfinite, positions)))
+            fields["mask"] = self._over_variables(decision.nonfinite, positions)
             if decision.sums_overflow is not None:
-                values.append(
-                    (self.sum_mask, self._over_variables(decision.sums_overflow, positions)))
-                values.append((self.sum_step, step))
-        values.append((self.last_step, step))
-        values.append((self.last_applied_steps, applied_steps))
-        return values
+                fields["sum_mask"] = self._over_variables(decision.sums_overflow,
+                                                                   positions)
+                fields["sum_step"] = step
+        fields["last_step"] = step
+        fields["last_applied_steps"] = applied_steps
+        fields["steps"] = step + 1
+        fields["stuck_overflows"] += tf.cast(decision.stuck, tf.int64)
+        return self.packed.pack(fields)
 
     def _over_variables(self, flags, positions):
         """A bool vector over `positions` -> over every variable (False elsewhere)."""
@@ -278,22 +276,25 @@ class OverflowRecord(tf.Module):
         """Host read: an `OverflowReport`, or None (no overflow, or attribution off)."""
         if not self.attribution:
             return None
-        step = int(self.last_step.numpy())
+        fields = self.packed.numpy()
+        step = int(fields["last_step"])
         if step < 0:
             return None
-        names = names_from_mask(self.mask.numpy(), self.variable_names)
-        sums = ()
-        if int(self.sum_step.numpy()) == step:
-            sums = names_from_mask(self.sum_mask.numpy(), self.variable_names)
+        names = names_from_mask(fields["mask"], self.variable_names)
         return OverflowReport(
             step=step,
             variable_names=names,
             loss_scale=float(loss_scale),
             num_skipped_steps=int(num_skipped_steps),
             headroom_bits=self._headroom(names),
-            applied_steps=int(self.last_applied_steps.numpy()),
-            sum_overflow_names=sums,
+            applied_steps=int(fields["last_applied_steps"]),
+            sum_overflow_names=self._sum_names(fields, step),
         )
+
+    def _sum_names(self, fields, step):
+        if int(fields["sum_step"]) != step:
+            return ()
+        return names_from_mask(fields["sum_mask"], self.variable_names)
 
     def _headroom(self, names):
         if self.gradient_stats is None:
@@ -303,14 +304,12 @@ class OverflowRecord(tf.Module):
 
     def check_policy(self, min_loss_scale):
         """Host read: applies the policy to stuck overflows not reported yet."""
-        stuck = int(self.stuck_overflows.numpy())
+        fields = self.packed.numpy()
+        stuck = int(fields["stuck_overflows"])
         if stuck <= self._stuck_overflows_seen:
             return
         self._stuck_overflows_seen = stuck
-        step = int(self.last_step.numpy())
-        names = names_from_mask(self.mask.numpy(), self.variable_names)
-        headroom = self._headroom(names)
-        sum_names = ()
-        if int(self.sum_step.numpy()) == step:
-            sum_names = names_from_mask(self.sum_mask.numpy(), self.variable_names)
-        self.policy(step, names, min_loss_scale, headroom, sum_names)
+        step = int(fields["last_step"])
+        names = names_from_mask(fields["mask"], self.variable_names)
+        self.policy(step, names, min_loss_scale, self._headroom(names),
+                    self._sum_names(fields, step))

@@ -76,3 +76,23 @@ def test_a_checkpoint_written_before_restores_and_trains_on_alike(expected):
     status.assert_consumed()  # every value in the file found its object, and back
     assert make_saved.state(model) == expected["saved"]
     _trains_on_as_before(model, expected)
+
+
+def _contents(path):
+    reader = tf.train.load_checkpoint(path)
+    dtypes = reader.get_variable_to_dtype_map()
+    return {key: (dtypes[key], reader.get_tensor(key).tolist())
+            for key in reader.get_variable_to_shape_map()
+            if key != "_CHECKPOINTABLE_OBJECT_GRAPH"}
+
+
+def test_a_checkpoint_written_before_is_written_back_alike(tmp_path):
+    """Restored and written again at once, the checkpoint holds every key of the earlier
+    one, with its dtype and value, and no other: the overflow record's fields, one
+    variable since (`tfdls._packed_state`), among them."""
+    model = make_saved.model_and_optimizer()
+    model.optimizer.build(model.trainable_variables)
+    checkpoint = tf.train.Checkpoint(optimizer=model.optimizer, model=model)
+    checkpoint.read(os.path.join(FOLDER, "ckpt")).assert_consumed()
+    again = checkpoint.write(str(tmp_path / "ckpt"))
+    assert _contents(again) == _contents(os.path.join(FOLDER, "ckpt"))

@@ -95,8 +95,7 @@ def test_a_branch_writes_the_scale_as_the_selection_does(pairs, name, data):
 
 
 def _record_variables(record):
-    return [record.mask, record.steps, record.last_step, record.last_applied_steps,
-            record.stuck_overflows, record.sum_mask, record.sum_step]
+    return [record.state]  # every field: one variable (`tfdls._packed_state`)
 
 
 @pytest.mark.parametrize("attribution", [True, False])
@@ -121,10 +120,11 @@ def test_a_branch_writes_the_overflow_record_as_the_selection_does(attribution, 
     records = [overflow.OverflowRecord(names, attribution, overflow.MinScalePolicy("ignore"))
                for _ in range(2)]
     for record in records:
-        mask, *counters = start
-        values = [mask] + counters[:4] + [mask[::-1]] + counters[4:]
-        for variable, value in zip(_record_variables(record), values):
-            variable.assign(value)
+        mask, steps, last_step, last_applied, stuck, sum_step = start
+        record.packed.assign(mask=mask, steps=steps, last_step=last_step,
+                             last_applied_steps=last_applied,
+                             stuck_overflows=stuck, sum_mask=mask[::-1],
+                             sum_step=sum_step)
     records[0].record(decision, positions, applied)
 
     def write(is_finite):
@@ -155,8 +155,9 @@ def _consumers_of_captured(concrete, variable):
 @pytest.mark.parametrize("plan", ["cond", "masked"])
 def test_on_the_cond_plan_the_skipped_steps_writes_run_only_in_their_branch(plan):
     """A finite step on the cond plan runs none of the skipped step's writes: in the
-    step's graph, the skipped-step count and the overflow record's last step are only
-    inputs of the cond. The masked plan writes them branch-free."""
+    step's graph, the skipped-step count and the overflow record (one variable, which a
+    finite step adds one to) are only inputs of the cond. The masked plan writes them
+    branch-free."""
     keras.mixed_precision.set_global_policy("float32")
     # On the CPU, jit_compile="auto" runs a small apply on the cond plan; False masks it.
     opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1),
@@ -165,7 +166,7 @@ def test_on_the_cond_plan_the_skipped_steps_writes_run_only_in_their_branch(plan
     step = tf.function(lambda g: opt.apply([g], [w]))
     concrete = step.get_concrete_function(tf.TensorSpec([8]))
     assert opt.step_plan.skip == plan and not opt.step_plan.compile, opt.step_plan
-    for variable in (opt.loss_scale.num_skipped_steps_variable, opt._overflow.last_step):
+    for variable in (opt.loss_scale.num_skipped_steps_variable, opt._overflow.state):
         consumers = _consumers_of_captured(concrete, variable)
         if plan == "cond":
             assert all(t in ("If", "StatelessIf") for t in consumers), (variable.name,
