@@ -52,45 +52,61 @@ class PackedState:
         self.fields = {field: Field(self.variable, field, start, shape, dtype)
                        for field, (start, shape, dtype) in self._layout.items()}
 
-    def unpack(self, vector):
-        """A read of the vector -> per field, its value (its dtype and shape)."""
-        return {field: _field_value(vector, start, shape, dtype)
-                for field, (start, shape, dtype) in self._layout.items()}
+    def get(self, vector, field):
+        """A read of the vector -> the value of `field` (its dtype and shape)."""
+        start, shape, dtype = self._layout[field]
+        value = vector[start] if shape == () else tf.reshape(
+            vector[start:start + int(np.prod(shape))], shape)
+        return value if dtype == tf.int64 else tf.cast(value, dtype)
 
-    def pack(self, values):
-        """Per field, a value (every field) -> the vector."""
-        missing = set(self._layout) - set(values)
-        if missing:
-            raise ValueError(f"pack: no values for the fields {sorted(missing)}")
-        return tf.concat([tf.reshape(tf.cast(values[field], tf.int64), [-1])
-                          for field in self._layout], 0)
+    def replace(self, vector, **values):
+        """A read of the vector -> the vector with the fields in `values` replaced.
+
+        In few operations (the skipped step's record is built every step where both
+        outcomes are selected, and its branch's operations cost a step that does not take
+        it too): neighbouring fields kept are one slice, neighbouring scalars one stack.
+        """
+        unknown = set(values) - set(self._layout)
+        if unknown:
+            raise ValueError(f"replace: no fields {sorted(unknown)} (fields: {list(self._layout)})")
+        pieces, scalars, kept_from = [], [], None
+        for field, (start, shape, _) in self._layout.items():
+            if field not in values:
+                if kept_from is None:
+                    _flush(pieces, scalars)
+                    kept_from = start
+                continue
+            if kept_from is not None:
+                pieces.append(vector[kept_from:start])
+                kept_from = None
+            value = tf.cast(values[field], tf.int64)
+            if shape == ():
+                scalars.append(value)
+            else:
+                _flush(pieces, scalars)
+                pieces.append(tf.reshape(value, [-1]))
+        _flush(pieces, scalars)
+        if kept_from is not None:
+            pieces.append(vector[kept_from:])
+        return pieces[0] if len(pieces) == 1 else tf.concat(pieces, 0)
 
     def delta(self, **amounts):
-        """The vector adding `amounts` (per scalar field: a Python or tensor integer) to
-        their fields: a constant where every amount is a Python integer."""
-        constant = np.zeros([self.size], np.int64)
-        terms = []
+        """The constant vector adding `amounts` (Python integers) to their scalar fields."""
+        vector = np.zeros([self.size], np.int64)
         for field, amount in amounts.items():
             start, shape, _ = self._layout[field]
             if shape != ():
                 raise ValueError(f"delta: field {field!r} is not a scalar (shape {shape})")
-            if isinstance(amount, (int, np.integer)):
-                constant[start] += amount
-            else:
-                one = np.zeros([self.size], np.int64)
-                one[start] = 1
-                terms.append(tf.cast(amount, tf.int64) * one)
-        return tf.add_n([tf.constant(constant)] + terms) if terms else tf.constant(constant)
+            vector[start] += amount
+        return tf.constant(vector)
 
     def add(self, **amounts):
-        """Adds `amounts` to their scalar fields, in one write; returns it."""
+        """Adds `amounts` (Python integers) to their scalar fields, in one write; returns it."""
         return self.variable.assign_add(self.delta(**amounts))
 
     def assign(self, **values):
         """Writes the fields given (the others as they are), in one write; returns it."""
-        current = self.unpack(tf.convert_to_tensor(self.variable))
-        current.update(values)
-        return self.variable.assign(self.pack(current))
+        return self.variable.assign(self.replace(tf.convert_to_tensor(self.variable), **values))
 
     def numpy(self):
         """Host read: per field, its value as a NumPy scalar or array."""
@@ -171,6 +187,13 @@ class Field(_compat.Trackable):
         if self not in object_map:
             object_map[self] = Field(object_map[self._variable], self._name, self._start,
                                      self._shape, self._dtype)
+
+
+def _flush(pieces, scalars):
+    """Moves the scalars gathered so far into `pieces`, as one vector."""
+    if scalars:
+        pieces.append(tf.stack(scalars))
+        scalars.clear()
 
 
 def _field_value(vector, start, shape, dtype):

@@ -203,20 +203,21 @@ class OverflowRecord(_packed_state.PackedModule):
         self.gradient_stats = gradient_stats
         unmarked = np.zeros([len(self.variable_names)], np.bool_)
         # The fields under the names checkpoints have held them by (as variables).
+        # In this order, a skipped step's writes are few pieces (`PackedState.replace`).
         self._pack(
             "overflow_record",
-            mask=unmarked,
             # Every step, skipped ones included; and the last skipped one's number
             # and the optimizer's iterations then.
             steps=np.int64(0),
             last_step=np.int64(-1),
             last_applied_steps=np.int64(-1),
             stuck_overflows=np.int64(0),
+            mask=unmarked,
             # Variables whose finite gradients' sums could overflow, and the step
             # that wrote them: written only by steps that form such sums, so a
             # report shows them only if they are the last skipped step's.
-            sum_mask=unmarked,
             sum_step=np.int64(-1),
+            sum_mask=unmarked,
         )
         self._stuck_overflows_seen = 0
 
@@ -233,8 +234,8 @@ class OverflowRecord(_packed_state.PackedModule):
             applied_steps: the optimizer's iterations (int64 scalar).
         """
         vector = tf.convert_to_tensor(self.state)
-        # Only a skipped step is stuck.
-        counted = vector + self.packed.delta(steps=1, stuck_overflows=decision.stuck)
+        # A finite step is counted; only a skipped step is stuck (as `record_in_branch`).
+        counted = vector + self.packed.delta(steps=1)
         skipped = self._after_skipped(vector, decision, positions, applied_steps)
         return self.state.assign(tf.where(decision.is_finite, counted, skipped))
 
@@ -250,19 +251,16 @@ class OverflowRecord(_packed_state.PackedModule):
     def _after_skipped(self, vector, decision, positions, applied_steps):
         """The record after a skipped step, from its read `vector`: the step counted, its
         number and `applied_steps` as the last overflow's, its attribution."""
-        fields = self.packed.unpack(vector)
-        step = fields["steps"]
+        step = self.packed.get(vector, "steps")
+        stuck = self.packed.get(vector, "stuck_overflows") + tf.cast(decision.stuck, tf.int64)
+        values = dict(steps=step + 1, last_step=step, last_applied_steps=applied_steps,
+                      stuck_overflows=stuck)
         if self.attribution:
-            fields["mask"] = self._over_variables(decision.nonfinite, positions)
+            values["mask"] = self._over_variables(decision.nonfinite, positions)
             if decision.sums_overflow is not None:
-                fields["sum_mask"] = self._over_variables(decision.sums_overflow,
-                                                                   positions)
-                fields["sum_step"] = step
-        fields["last_step"] = step
-        fields["last_applied_steps"] = applied_steps
-        fields["steps"] = step + 1
-        fields["stuck_overflows"] += tf.cast(decision.stuck, tf.int64)
-        return self.packed.pack(fields)
+                values["sum_step"] = step
+                values["sum_mask"] = self._over_variables(decision.sums_overflow, positions)
+        return self.packed.replace(vector, **values)
 
     def _over_variables(self, flags, positions):
         """A bool vector over `positions` -> over every variable (False elsewhere)."""
