@@ -54,10 +54,7 @@ class PackedState:
 
     def get(self, vector, field):
         """A read of the vector -> the value of `field` (its dtype and shape)."""
-        start, shape, dtype = self._layout[field]
-        value = vector[start] if shape == () else tf.reshape(
-            vector[start:start + int(np.prod(shape))], shape)
-        return value if dtype == tf.int64 else tf.cast(value, dtype)
+        return _field_value(vector, *self._layout[field])
 
     def replace(self, vector, **values):
         """A read of the vector -> the vector with the fields in `values` replaced.
@@ -68,7 +65,8 @@ class PackedState:
         """
         unknown = set(values) - set(self._layout)
         if unknown:
-            raise ValueError(f"replace: no fields {sorted(unknown)} (fields: {list(self._layout)})")
+            raise ValueError(
+                f"replace: no fields {sorted(unknown)} (fields: {list(self._layout)})")
         pieces, scalars, kept_from = [], [], None
         for field, (start, shape, _) in self._layout.items():
             if field not in values:
@@ -197,8 +195,9 @@ def _flush(pieces, scalars):
 
 
 def _field_value(vector, start, shape, dtype):
-    value = tf.reshape(vector[start:start + int(np.prod(shape))], shape)
-    return tf.cast(value, dtype)
+    value = vector[start] if shape == () else tf.reshape(
+        vector[start:start + int(np.prod(shape))], shape)
+    return value if dtype == tf.int64 else tf.cast(value, dtype)
 
 
 def _numpy_value(vector, start, shape, dtype):
