@@ -52,7 +52,8 @@ def _assert_equal(found, expected):
         np.testing.assert_array_equal(found[name], value, err_msg=name)
 
 
-def _checkpoint_contents(path):
+def checkpoint_contents(path):
+    """Per key of the checkpoint at `path`: its dtype and value."""
     reader = tf.train.load_checkpoint(path)
     dtypes = reader.get_variable_to_dtype_map()
     return {key: (dtypes[key], reader.get_tensor(key).tolist())
@@ -84,7 +85,7 @@ def test_packed_fields_save_as_separate_variables_and_back(drawn, tmp_path_facto
     # Written by each: the same keys, dtypes and values.
     by_separate = tf.train.Checkpoint(m=separate).write(str(folder / "separate"))
     by_packed = tf.train.Checkpoint(m=packed).write(str(folder / "packed"))
-    assert _checkpoint_contents(by_packed) == _checkpoint_contents(by_separate)
+    assert checkpoint_contents(by_packed) == checkpoint_contents(by_separate)
     # Read by the other: every value, every object matched.
     into_packed = _Packed(_zeros_like(values))
     tf.train.Checkpoint(m=into_packed).read(by_separate).assert_consumed()

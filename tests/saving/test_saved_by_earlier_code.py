@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import tfdls  # noqa: F401  (registers tfdls' layers and optimizer for load_model)
 from tests.saving.data import make_saved
+from tests.saving.test_packed_state import checkpoint_contents
 
 FOLDER = os.path.join(os.path.dirname(__file__), "data", "ab2b52d")
 
@@ -78,14 +79,6 @@ def test_a_checkpoint_written_before_restores_and_trains_on_alike(expected):
     _trains_on_as_before(model, expected)
 
 
-def _contents(path):
-    reader = tf.train.load_checkpoint(path)
-    dtypes = reader.get_variable_to_dtype_map()
-    return {key: (dtypes[key], reader.get_tensor(key).tolist())
-            for key in reader.get_variable_to_shape_map()
-            if key != "_CHECKPOINTABLE_OBJECT_GRAPH"}
-
-
 def test_a_checkpoint_written_before_is_written_back_alike(tmp_path):
     """Restored and written again at once, the checkpoint holds every key of the earlier
     one, with its dtype and value, and no other: the overflow record's fields, one
@@ -95,4 +88,4 @@ def test_a_checkpoint_written_before_is_written_back_alike(tmp_path):
     checkpoint = tf.train.Checkpoint(optimizer=model.optimizer, model=model)
     checkpoint.read(os.path.join(FOLDER, "ckpt")).assert_consumed()
     again = checkpoint.write(str(tmp_path / "ckpt"))
-    assert _contents(again) == _contents(os.path.join(FOLDER, "ckpt"))
+    assert checkpoint_contents(again) == checkpoint_contents(os.path.join(FOLDER, "ckpt"))
