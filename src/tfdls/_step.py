@@ -373,7 +373,8 @@ def _apply_in_branches(opt, verdict, unscaled, variables):
         writes.branch(finite=False)
         return tf.constant(False)
 
-    tf.cond(verdict.is_finite, finite_step, skipped_step)
+    # A finite step does not visit the skipped step's operations (see `called_apart`).
+    tf.cond(verdict.is_finite, finite_step, _compat.called_apart(skipped_step))
 
 
 def _warn_fallback(opt, reason):

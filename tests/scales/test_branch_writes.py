@@ -177,7 +177,7 @@ def test_on_the_cond_plan_the_skipped_steps_writes_run_only_in_their_branch(plan
 
 def _op_types(concrete):
     """The op types of `concrete`'s own graph, and of each branch of its conds (by
-    "then"/"else"), from its GraphDef."""
+    "then"/"else", with the functions a branch calls), from its GraphDef."""
     graph_def = concrete.graph.as_graph_def()
     library = {f.signature.name: f for f in graph_def.library.function}
     own = [node.op for node in graph_def.node]
@@ -185,9 +185,18 @@ def _op_types(concrete):
     for node in graph_def.node:
         if node.op in ("If", "StatelessIf"):
             for side in branches:
-                name = node.attr[f"{side}_branch"].func.name
-                branches[side] += [n.op for n in library[name].node_def]
+                branches[side] += _called_op_types(library, node.attr[f"{side}_branch"].func.name)
     return own, branches
+
+
+def _called_op_types(library, name):
+    """The op types of function `name` and of the functions it calls."""
+    types = []
+    for node in library[name].node_def:
+        types.append(node.op)
+        if node.op in ("PartitionedCall", "StatefulPartitionedCall"):
+            types += _called_op_types(library, node.attr["f"].func.name)
+    return types
 
 
 @pytest.mark.filterwarnings("ignore::tfdls.UnscaledLossWarning")
@@ -214,6 +223,33 @@ def test_on_the_cond_plan_the_rest_of_the_decision_is_made_in_the_skipped_branch
         assert "Sum" not in own and "Equal" not in own, sorted(own)
     else:
         assert "LessEqual" in own and "LogicalNot" in own, sorted(own)
+
+
+@pytest.mark.filterwarnings("ignore::tfdls.UnscaledLossWarning")
+def test_on_the_cond_plan_a_finite_step_visits_the_skipped_steps_writes_as_one_call():
+    """TensorFlow's executor visits the operations of the branch a cond does not take: the
+    skipped step's writes are one call of a function it does not inline."""
+    keras.mixed_precision.set_global_policy("float32")
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1), jit_compile="auto")
+    w = keras.Variable(tf.zeros([8]), name="w")
+    step = tf.function(lambda g: opt.apply([g], [w]))
+    concrete = step.get_concrete_function(tf.TensorSpec([8]))
+    assert opt.step_plan.skip == "cond" and not opt.step_plan.compile, opt.step_plan
+    graph_def = concrete.graph.as_graph_def()
+    library = {f.signature.name: f for f in graph_def.library.function}
+
+    def branches(nodes):
+        return [(library[n.attr["then_branch"].func.name], library[n.attr["else_branch"].func.name])
+                for n in nodes if n.op in ("If", "StatelessIf")]
+
+    def one_call(branch):
+        calls = [n for n in branch.node_def if n.op in ("PartitionedCall",
+                                                         "StatefulPartitionedCall")]
+        assert len(calls) == 1 and len(branch.node_def) <= 4, [n.op for n in branch.node_def]
+        assert library[calls[0].attr["f"].func.name].attr["_noinline"].b
+
+    [(_, skipped)] = branches(graph_def.node)
+    one_call(skipped)
 
 
 @pytest.mark.filterwarnings("ignore::tfdls.UnscaledLossWarning")
