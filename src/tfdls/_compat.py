@@ -291,15 +291,18 @@ def called_apart(branch):
     operations) so costs every step that does not take it. Called apart (a function call
     TensorFlow does not inline, the private ``_noinline`` attribute), it is one operation
     there. The same operations run when it is taken. XLA compiles a conditional's branches
-    as they are, and eager code and TF1 graphs (whose branches run only what their outputs
-    need) run the branch itself.
+    as they are, and eager code and TF1 graphs run the branch itself (a TF1 graph builds a
+    `tf.cond`'s branches as functions too, but runs only what their outputs need: inside a
+    function call, a write the branch does not return would run).
     """
     import tensorflow as tf
 
     def call():
-        graph = tf.compat.v1.get_default_graph()
+        # A `tf.cond` in a TF1 graph builds its branches as functions too, whose
+        # unreturned writes TF1 prunes: the outermost context decides.
         if (_NO_INLINE is None or tf.executing_eagerly()
-                or not getattr(graph, "building_function", False) or in_xla_context()):
+                or not tf.compat.v1.executing_eagerly_outside_functions()
+                or in_xla_context()):
             return branch()
         return tf.function(branch, autograph=False, experimental_attributes={_NO_INLINE: True})()
 

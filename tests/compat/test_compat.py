@@ -117,15 +117,25 @@ def test_called_apart_is_one_call_not_inlined_only_in_a_traced_function(context)
                 tf.cond(pred, value, lambda: tf.constant(0.0)))
 
     if context == "tf1":
-        with tf.Graph().as_default() as graph:
-            v = tf.compat.v1.Variable(0, dtype=tf.int64)
-            out = tf.cond(tf.constant(True),
-                          _compat.called_apart(lambda: v.assign_add(1)),
-                          lambda: tf.constant(0, tf.int64))
-            with tf.compat.v1.Session() as session:
-                session.run(v.initializer)
-                assert session.run(out) == 1
-            assert not [op for op in graph.get_operations() if "PartitionedCall" in op.type]
+        # As the branch itself: a write the branch does not return is pruned alike.
+        after = []
+        for wrap in (lambda branch: branch, _compat.called_apart):
+            with tf.Graph().as_default() as graph:
+                v = tf.compat.v1.Variable(0, dtype=tf.int64)
+                returned = tf.compat.v1.Variable(0, dtype=tf.int64)
+
+                def branch():
+                    v.assign_add(1)
+                    return returned.assign_add(1)
+
+                out = tf.cond(tf.constant(True), wrap(branch), lambda: tf.constant(0, tf.int64))
+                with tf.compat.v1.Session() as session:
+                    session.run([v.initializer, returned.initializer])
+                    assert session.run(out) == 1
+                    after.append(session.run(v))
+                library = graph.as_graph_def().library.function
+                assert not [f for f in library if f.attr["_noinline"].b]
+        assert after[0] == after[1], after
         return
     if context == "eager":
         written, value = cond(tf.constant(True))
