@@ -298,8 +298,7 @@ def called_apart(branch):
     import tensorflow as tf
 
     def call():
-        # A `tf.cond` in a TF1 graph builds its branches as functions too, whose
-        # unreturned writes TF1 prunes: the outermost context decides.
+        # The outermost context decides: a TF1 graph's branches are functions too.
         if (_NO_INLINE is None or tf.executing_eagerly()
                 or not tf.compat.v1.executing_eagerly_outside_functions()
                 or in_xla_context()):

@@ -189,12 +189,15 @@ def _op_types(concrete):
     return own, branches
 
 
+_CALLS = ("PartitionedCall", "StatefulPartitionedCall")
+
+
 def _called_op_types(library, name):
     """The op types of function `name` and of the functions it calls."""
     types = []
     for node in library[name].node_def:
         types.append(node.op)
-        if node.op in ("PartitionedCall", "StatefulPartitionedCall"):
+        if node.op in _CALLS:
             types += _called_op_types(library, node.attr["f"].func.name)
     return types
 
@@ -237,19 +240,11 @@ def test_on_the_cond_plan_a_finite_step_visits_the_skipped_steps_writes_as_one_c
     assert opt.step_plan.skip == "cond" and not opt.step_plan.compile, opt.step_plan
     graph_def = concrete.graph.as_graph_def()
     library = {f.signature.name: f for f in graph_def.library.function}
-
-    def branches(nodes):
-        return [(library[n.attr["then_branch"].func.name], library[n.attr["else_branch"].func.name])
-                for n in nodes if n.op in ("If", "StatelessIf")]
-
-    def one_call(branch):
-        calls = [n for n in branch.node_def if n.op in ("PartitionedCall",
-                                                         "StatefulPartitionedCall")]
-        assert len(calls) == 1 and len(branch.node_def) <= 4, [n.op for n in branch.node_def]
-        assert library[calls[0].attr["f"].func.name].attr["_noinline"].b
-
-    [(_, skipped)] = branches(graph_def.node)
-    one_call(skipped)
+    [cond] = [node for node in graph_def.node if node.op in ("If", "StatelessIf")]
+    skipped = library[cond.attr["else_branch"].func.name]
+    calls = [node for node in skipped.node_def if node.op in _CALLS]
+    assert len(calls) == 1 and len(skipped.node_def) <= 4, [n.op for n in skipped.node_def]
+    assert library[calls[0].attr["f"].func.name].attr["_noinline"].b
 
 
 @pytest.mark.filterwarnings("ignore::tfdls.UnscaledLossWarning")
