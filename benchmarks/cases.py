@@ -26,6 +26,8 @@ class Variant:
         every: first `tfdls.add_scale_boundaries(model, every=every)`; None: the model as it is.
         boundary_options: keyword arguments of every `tfdls.ScaleBoundary`.
         available: False where an optional dependency is missing.
+        package: the module that is tfdls for the variant: "tfdls", or a copy of it at
+            another commit (`versions.import_at`, step_cost.py's ``--at``).
     """
 
     label: str
@@ -34,6 +36,7 @@ class Variant:
     every: object = None
     boundary_options: tuple = ()
     available: bool = True
+    package: str = "tfdls"
 
 
 _PINNED = (("min_log2_factor", 0), ("max_log2_factor", 0))  # factors that never move

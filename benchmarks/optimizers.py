@@ -2,6 +2,9 @@
 each variant wraps it in, the scale boundaries it adds, and what is recorded of them.
 """
 
+import importlib
+import sys
+
 import keras
 import tensorflow as tf
 
@@ -40,8 +43,9 @@ def wrap(variant, optimizer, model=None):
         return keras.optimizers.LossScaleOptimizer(optimizer)
     if variant.wrapper == "tfdls":
         boundaries = model if variant.every is not None else None
-        return tfdls.LossScaleOptimizer(optimizer, scale_boundaries=boundaries,
-                                        **dict(variant.options))
+        package = importlib.import_module(variant.package)
+        return package.LossScaleOptimizer(optimizer, scale_boundaries=boundaries,
+                                          **dict(variant.options))
     return optimizer
 
 
@@ -50,14 +54,28 @@ def build(name, inner_kind, model):
     whose inner optimizer is `inner_kind`."""
     variant = cases.VARIANTS[name]
     if variant.every is not None:
-        model = tfdls.add_scale_boundaries(model, every=variant.every,
-                                           **dict(variant.boundary_options))
+        package = importlib.import_module(variant.package)
+        model = package.add_scale_boundaries(model, every=variant.every,
+                                             **dict(variant.boundary_options))
     return model, wrap(variant, inner(inner_kind), model)
+
+
+def is_tfdls(optimizer):
+    """Whether `optimizer` is tfdls' `LossScaleOptimizer`, or a copy's (`versions`)."""
+    return any(isinstance(optimizer, type_) for type_ in _tfdls_optimizer_types())
+
+
+def _tfdls_optimizer_types():
+    # tfdls and the copies imported so far (each names itself tfdls_<commit>).
+    return [tfdls.LossScaleOptimizer] + [
+        module.LossScaleOptimizer for name, module in list(sys.modules.items())
+        if name.startswith("tfdls_") and "." not in name
+        and hasattr(module, "LossScaleOptimizer")]
 
 
 def loss_scale(optimizer):
     """The current loss scale (None without loss scaling)."""
-    if isinstance(optimizer, tfdls.LossScaleOptimizer):  # before Keras': it subclasses it
+    if is_tfdls(optimizer):  # before Keras': it subclasses it
         return float(tf.convert_to_tensor(optimizer.loss_scale()))
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return float(tf.convert_to_tensor(optimizer.dynamic_scale))
@@ -75,7 +93,7 @@ def scale_state(optimizer):
     current = loss_scale(optimizer)
     if current is None:
         return None
-    if isinstance(optimizer, tfdls.LossScaleOptimizer) and int(
+    if is_tfdls(optimizer) and int(
             optimizer.loss_scale.num_skipped_steps.numpy()):
         current = 0.0
     return current, float(optimizer.initial_scale)
@@ -85,7 +103,7 @@ def record(optimizer):
     """Applied steps and the loss scale; for tfdls also skipped steps, boundary factors and
     how its step skips (`step_plan`)."""
     result = {"iterations": int(optimizer.iterations.numpy()), "loss_scale": loss_scale(optimizer)}
-    if isinstance(optimizer, tfdls.LossScaleOptimizer):
+    if is_tfdls(optimizer):
         plan = optimizer.step_plan
         result.update(skipped_steps=int(optimizer.loss_scale.num_skipped_steps.numpy()),
                       factors=optimizer.scale_boundary_factors(),

@@ -2,6 +2,7 @@
 
     python benchmarks/step_cost.py                               # the graph-mode MLP fit cases
     python benchmarks/step_cost.py --cases mlp2x64-sgd-graph --rounds 100 --steps 30
+    python benchmarks/step_cost.py --cases mlp2x64-sgd --at HEAD~1   # before/after a change
 
 The fit family (`run.py --family fit`) times `model.fit`, 20 steps per round, and its rows
 move by tens of percent between runs on a small model, where a step is about a millisecond
@@ -13,10 +14,14 @@ interleaved round by round, each checked to train): short rounds, so that the ma
 slow phases fall on all variants alike. Reported per case:
 each variant's median ms per step over the rounds and the median of its per-round ratios
 to bare Keras (no loss scaling), and tfdls' median per-round ratio to Keras 3's
-`LossScaleOptimizer`. TF_ENABLE_ONEDNN_OPTS=0 unless set, as run.py for the fit family.
+`LossScaleOptimizer`. `--at REV` adds tfdls as it was at git revision REV
+(`versions.import_at`) as one more variant, and tfdls' median per-round ratio to it: a
+change measured against the code before it, in one process. TF_ENABLE_ONEDNN_OPTS=0
+unless set, as run.py for the fit family.
 """
 
 import argparse
+import dataclasses
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -44,33 +49,53 @@ def step_run(case, variant):
     return run
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(
         f"mlp{depth}x64-{opt}-graph" for depth in (2, 8, 24) for opt in ("adam", "sgd")),
                         help="comma-separated substrings of fit case names")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--steps", type=int, default=30, help="calls per round")
-    args = parser.parse_args()
+    parser.add_argument("--at", default="", help="comma-separated git revisions of tfdls to "
+                        "time beside the installed one (see benchmarks/versions.py)")
+    args = parser.parse_args(argv)
 
     import keras
 
     import cases
     import timing
+    import versions
 
     keras.mixed_precision.set_global_policy("mixed_float16")
+    earlier = [_add_version(cases, versions, rev) for rev in args.at.split(",") if rev]
+    names = list(VARIANTS) + earlier
     print(f"{args.rounds} rounds of {args.steps} steps; ms per step (median), ratio to bare "
           "(median per round)\n")
-    print("| case | bare ms | Keras 3 | tfdls | tfdls / Keras 3 |")
-    print("|---|---:|---:|---:|---:|")
+    print("| case | bare ms | Keras 3 | tfdls | tfdls / Keras 3 |"
+          + "".join(f" {name} | tfdls / {name} |" for name in earlier))
+    print("|---|---:|---:|---:|---:|" + "---:|---:|" * len(earlier))
     for case in cases.select("fit", args.cases):
-        result = timing.measure([step_run(case, name) for name in VARIANTS], args.rounds,
+        result = timing.measure([step_run(case, name) for name in names], args.rounds,
                                 args.steps)
-        to_keras = timing.summarize({name: result[name]["samples_ms"]
-                                     for name in ("keras3", "tfdls")})["tfdls"]["ratio"]
+
+        def tfdls_to(name):
+            return timing.summarize({other: result[other]["samples_ms"]
+                                     for other in (name, "tfdls")})["tfdls"]["ratio"]
+
         print(f"| {case.name} | {result['bare']['ms']:.3f} "
               f"| {result['keras3']['ratio']:.2f}x | {result['tfdls']['ratio']:.2f}x "
-              f"| {to_keras:.2f} |", flush=True)
+              f"| {tfdls_to('keras3'):.2f} |"
+              + "".join(f" {result[name]['ratio']:.2f}x | {tfdls_to(name):.2f} |"
+                        for name in earlier), flush=True)
+
+
+def _add_version(cases, versions, rev):
+    """Declares the variant ``tfdls@REV``: tfdls as it was at git revision `rev`."""
+    name = f"tfdls@{rev}"
+    package = versions.import_at(rev).__name__
+    cases.VARIANTS[name] = dataclasses.replace(cases.VARIANTS["tfdls"],
+                                               label=f"tfdls at {rev}", package=package)
+    return name
 
 
 if __name__ == "__main__":

@@ -101,6 +101,33 @@ def test_a_quick_run_of_the_smallest_case_runs_and_renders(family, tmp_path, cap
 
 
 @pytest.mark.timeout(300)
+def test_step_cost_times_tfdls_at_another_commit_beside_the_installed_one(tmp_path, capsys):
+    import keras
+
+    import tfdls
+
+    versions, optimizers, step_cost = (_import(n) for n in ("versions", "optimizers",
+                                                            "step_cost"))
+    with pytest.raises(ValueError, match="no commit 'no-such-revision'"):
+        versions.import_at("no-such-revision", cache=tmp_path)
+    copy = versions.import_at("HEAD", cache=tmp_path)
+    assert copy.__name__ == versions.package_name(versions.commit_of("HEAD"))
+    # The copy imports itself, not the installed package.
+    assert copy.LossScaleOptimizer.__module__ == f"{copy.__name__}.optimizer"
+    assert copy.LossScaleOptimizer is not tfdls.LossScaleOptimizer
+    inner = keras.optimizers.SGD(0.1)
+    assert optimizers.is_tfdls(copy.LossScaleOptimizer(inner))
+    assert not optimizers.is_tfdls(keras.optimizers.LossScaleOptimizer(inner))
+
+    step_cost.main(["--cases", "mlp2x64-sgd-graph", "--rounds", "2", "--steps", "2",
+                    "--at", "HEAD"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "| tfdls@HEAD | tfdls / tfdls@HEAD |" in lines[2]
+    (row,) = [line for line in lines if line.startswith("| mlp2x64-sgd-graph |")]
+    cells = [cell.strip().rstrip("x") for cell in row.strip("|").split("|")]
+    assert len(cells) == 7 and all(float(cell) > 0 for cell in cells[1:])
+
+@pytest.mark.timeout(300)
 def test_a_variant_that_did_not_run_is_refused():
     import keras
     import tensorflow as tf
