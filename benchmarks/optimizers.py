@@ -100,13 +100,18 @@ def scale_state(optimizer):
 
 
 def record(optimizer):
-    """Applied steps and the loss scale; for tfdls also skipped steps, boundary factors and
-    how its step skips (`step_plan`)."""
+    """Applied steps and the loss scale; for tfdls also the package (tfdls, or a copy of it
+    at another commit: `versions`), skipped steps, boundary factors and how its step skips
+    (`step_plan`)."""
     result = {"iterations": int(optimizer.iterations.numpy()), "loss_scale": loss_scale(optimizer)}
     if is_tfdls(optimizer):
-        plan = optimizer.step_plan
-        result.update(skipped_steps=int(optimizer.loss_scale.num_skipped_steps.numpy()),
-                      factors=optimizer.scale_boundary_factors(),
-                      step_plan={"skip": plan.skip, "check": plan.check,
-                                 "compile": plan.compile, "reason": plan.reason})
+        result.update(package=type(optimizer).__module__.split(".")[0],
+                      skipped_steps=int(optimizer.loss_scale.num_skipped_steps.numpy()))
+        # What older commits (`versions`) lack is left out.
+        if hasattr(optimizer, "scale_boundary_factors"):
+            result.update(factors=optimizer.scale_boundary_factors())
+        plan = getattr(optimizer, "step_plan", None)
+        if plan is not None:
+            result.update(step_plan={"skip": plan.skip, "check": plan.check,
+                                     "compile": plan.compile, "reason": plan.reason})
     return result

@@ -50,6 +50,8 @@ def step_run(case, variant):
 
 
 def main(argv=None):
+    """Prints the table; returns per case `timing.measure`'s result, with ``tfdls_to``: tfdls'
+    median per-round ratio to Keras 3 and to each ``--at`` variant."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(
         f"mlp{depth}x64-{opt}-graph" for depth in (2, 8, 24) for opt in ("adam", "sgd")),
@@ -66,27 +68,33 @@ def main(argv=None):
     import timing
     import versions
 
+    revisions = [rev for rev in args.at.split(",") if rev]
+    if len(set(revisions)) != len(revisions):
+        parser.error(f"--at names a revision twice: {args.at!r}")
     keras.mixed_precision.set_global_policy("mixed_float16")
-    earlier = [_add_version(cases, versions, rev) for rev in args.at.split(",") if rev]
+    earlier = [_add_version(cases, versions, rev) for rev in revisions]
     names = list(VARIANTS) + earlier
     print(f"{args.rounds} rounds of {args.steps} steps; ms per step (median), ratio to bare "
           "(median per round)\n")
     print("| case | bare ms | Keras 3 | tfdls | tfdls / Keras 3 |"
           + "".join(f" {name} | tfdls / {name} |" for name in earlier))
     print("|---|---:|---:|---:|---:|" + "---:|---:|" * len(earlier))
+    results = {}
     for case in cases.select("fit", args.cases):
         result = timing.measure([step_run(case, name) for name in names], args.rounds,
                                 args.steps)
-
-        def tfdls_to(name):
-            return timing.summarize({other: result[other]["samples_ms"]
-                                     for other in (name, "tfdls")})["tfdls"]["ratio"]
-
+        # tfdls' median per-round ratio to each other variant but bare.
+        result["tfdls_to"] = {
+            name: timing.summarize({other: result[other]["samples_ms"]
+                                    for other in (name, "tfdls")})["tfdls"]["ratio"]
+            for name in ["keras3"] + earlier}
+        results[case.name] = result
         print(f"| {case.name} | {result['bare']['ms']:.3f} "
               f"| {result['keras3']['ratio']:.2f}x | {result['tfdls']['ratio']:.2f}x "
-              f"| {tfdls_to('keras3'):.2f} |"
-              + "".join(f" {result[name]['ratio']:.2f}x | {tfdls_to(name):.2f} |"
+              f"| {result['tfdls_to']['keras3']:.2f} |"
+              + "".join(f" {result[name]['ratio']:.2f}x | {result['tfdls_to'][name]:.2f} |"
                         for name in earlier), flush=True)
+    return results
 
 
 def _add_version(cases, versions, rev):

@@ -17,6 +17,7 @@ import importlib
 import io
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -24,6 +25,8 @@ import tempfile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CACHE = pathlib.Path(tempfile.gettempdir()) / "tfdls_versions"
+# Part of every copy's path: a change to how copies are made makes new ones.
+REWRITE = 1
 _NAME = re.compile(r"\btfdls\b")
 
 
@@ -41,33 +44,55 @@ def package_name(commit):
     return f"tfdls_{commit[:10]}"
 
 
-def import_at(rev, repo=REPO, cache=CACHE):
-    """The tfdls package of revision `rev`, imported as ``tfdls_<commit>`` (a module).
+def copy_at(rev, repo=REPO, cache=None):
+    """The directory holding the package ``tfdls_<commit>``, a copy of `rev`'s ``src/tfdls``
+    with every ``tfdls`` name rewritten; made once per commit.
 
     Args:
         rev: a git revision of `repo` ("HEAD~2", a hash, a tag).
         repo: the repository.
-        cache: where copies are kept (one per commit, made once).
+        cache: where copies are kept (default `CACHE`).
 
     Raises:
-        ValueError: `rev` is not a commit of `repo`.
+        ValueError: `rev` is not a commit of `repo`, or has no ``src/tfdls``.
     """
-    name = package_name(commit_of(rev, repo))
-    root = pathlib.Path(cache) / name
+    commit = commit_of(rev, repo)
+    name = package_name(commit)
+    root = pathlib.Path(CACHE if cache is None else cache) / f"rewrite{REWRITE}" / name
     if not (root / name).exists():
-        # Written beside, then renamed: an interrupted copy is never imported.
-        partial = root / f"{name}.partial"
-        _copy(commit_of(rev, repo), repo, partial, name)
-        partial.rename(root / name)
+        root.mkdir(parents=True, exist_ok=True)
+        # Made in a directory of its own, then renamed into place: an interrupted copy is
+        # never imported, and two processes copying at once both end with one copy.
+        partial = pathlib.Path(tempfile.mkdtemp(dir=root, prefix=f"{name}."))
+        try:
+            _copy(commit, repo, partial, name)
+            partial.rename(root / name)
+        except OSError:
+            if not (root / name).exists():
+                raise
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    return root
+
+
+def import_at(rev, repo=REPO, cache=None):
+    """The tfdls package of revision `rev`, imported as ``tfdls_<commit>`` (a module).
+
+    Arguments and errors as `copy_at`'s.
+    """
+    root = copy_at(rev, repo, cache)
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    return importlib.import_module(name)
+    return importlib.import_module(root.name)
 
 
 def _copy(commit, repo, dest, name):
     archive = subprocess.run(["git", "archive", "--format=tar", commit, "src/tfdls"],
-                             cwd=repo, capture_output=True, check=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+                             cwd=repo, capture_output=True)
+    if archive.returncode != 0:
+        raise ValueError(f"versions: commit {commit} has no src/tfdls: "
+                         f"{archive.stderr.decode().strip()}")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         for member in tar.getmembers():
             if not member.isfile():
                 continue

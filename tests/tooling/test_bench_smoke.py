@@ -101,31 +101,54 @@ def test_a_quick_run_of_the_smallest_case_runs_and_renders(family, tmp_path, cap
 
 
 @pytest.mark.timeout(300)
-def test_step_cost_times_tfdls_at_another_commit_beside_the_installed_one(tmp_path, capsys):
+def test_step_cost_times_tfdls_at_another_commit_beside_the_installed_one(
+        tmp_path, capsys, monkeypatch):
+    import re
+
     import keras
 
     import tfdls
 
-    versions, optimizers, step_cost = (_import(n) for n in ("versions", "optimizers",
-                                                            "step_cost"))
+    versions, optimizers, step_cost, cases = (
+        _import(n) for n in ("versions", "optimizers", "step_cost", "cases"))
+    monkeypatch.setattr(versions, "CACHE", tmp_path)
+    monkeypatch.setattr(cases, "VARIANTS", dict(cases.VARIANTS))
+    monkeypatch.setattr(sys, "path", list(sys.path))
     with pytest.raises(ValueError, match="no commit 'no-such-revision'"):
-        versions.import_at("no-such-revision", cache=tmp_path)
-    copy = versions.import_at("HEAD", cache=tmp_path)
-    assert copy.__name__ == versions.package_name(versions.commit_of("HEAD"))
-    # The copy imports itself, not the installed package.
-    assert copy.LossScaleOptimizer.__module__ == f"{copy.__name__}.optimizer"
-    assert copy.LossScaleOptimizer is not tfdls.LossScaleOptimizer
+        versions.copy_at("no-such-revision")
+    root = versions.copy_at("HEAD")
+    name = versions.package_name(versions.commit_of("HEAD"))
+    assert root.name == name and root.is_relative_to(tmp_path)
+    sources = sorted((root / name).rglob("*.py"))
+    assert sources and not any(re.search(r"\btfdls\b", p.read_text()) for p in sources)
+    made = [p.stat().st_mtime_ns for p in sources]
+    assert versions.copy_at("HEAD") == root  # made once
+    assert [p.stat().st_mtime_ns for p in sources] == made
+
+    copy = versions.import_at("HEAD")
+    assert copy.__name__ == name and copy.LossScaleOptimizer is not tfdls.LossScaleOptimizer
     inner = keras.optimizers.SGD(0.1)
     assert optimizers.is_tfdls(copy.LossScaleOptimizer(inner))
     assert not optimizers.is_tfdls(keras.optimizers.LossScaleOptimizer(inner))
 
-    step_cost.main(["--cases", "mlp2x64-sgd-graph", "--rounds", "2", "--steps", "2",
-                    "--at", "HEAD"])
+    with pytest.raises(SystemExit):
+        step_cost.main(["--at", "HEAD,HEAD"])
+    assert "names a revision twice" in capsys.readouterr().err
+    results = step_cost.main(["--cases", "mlp2x64-sgd-graph", "--rounds", "3", "--steps", "2",
+                              "--at", "HEAD"])
+    result = results["mlp2x64-sgd-graph"]
+    # Each variant ran the package it names.
+    assert result["tfdls"]["package"] == "tfdls" and result["tfdls@HEAD"]["package"] == name
+    ratios = np.array(result["tfdls"]["samples_ms"]) / np.array(
+        result["tfdls@HEAD"]["samples_ms"])
+    assert result["tfdls_to"]["tfdls@HEAD"] == pytest.approx(np.median(ratios))
     lines = capsys.readouterr().out.splitlines()
-    assert "| tfdls@HEAD | tfdls / tfdls@HEAD |" in lines[2]
+    assert lines[2].endswith("| tfdls@HEAD | tfdls / tfdls@HEAD |")
     (row,) = [line for line in lines if line.startswith("| mlp2x64-sgd-graph |")]
-    cells = [cell.strip().rstrip("x") for cell in row.strip("|").split("|")]
-    assert len(cells) == 7 and all(float(cell) > 0 for cell in cells[1:])
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[5:] == [f"{result['tfdls@HEAD']['ratio']:.2f}x",
+                         f"{result['tfdls_to']['tfdls@HEAD']:.2f}"]
+
 
 @pytest.mark.timeout(300)
 def test_a_variant_that_did_not_run_is_refused():
