@@ -186,17 +186,11 @@ def _lookup():
                            "xla_optimization_barrier")
     except ImportError:  # pragma: no cover - present from TF 2.16 to 2.21 at least
         xla_ops = None
-    # Optional: without it `called_apart` runs its branch inline, as TensorFlow would.
-    try:
-        no_inline = _require("tensorflow.python.eager.polymorphic_function.attributes",
-                             "NO_INLINE").NO_INLINE
-    except ImportError:  # pragma: no cover - present from TF 2.16 to 2.21 at least
-        no_inline = None
     for name in OPTIMIZER_METHODS:
         if not callable(getattr(keras.optimizers.Optimizer, name, None)):  # pragma: no cover
             raise _missing(f"keras.optimizers.Optimizer.{name}")
     return (control_flow_util, tf_config, func_graphs, internal, summary_pb2, record, xla_ops,
-            no_inline, tf.__internal__.tracking.Trackable, trackable.VARIABLE_VALUE_KEY)
+            tf.__internal__.tracking.Trackable, trackable.VARIABLE_VALUE_KEY)
 
 
 # Private members of keras.optimizers.Optimizer that tfdls' subclass uses,
@@ -231,7 +225,6 @@ check_versions()
     summary_pb2,
     _record,
     _xla_ops,
-    _NO_INLINE,
     # The base of objects a checkpoint saves (`_serialize_to_tensors`), and the name a
     # variable's value has there: `tfdls._packed_state` saves fields as variables.
     Trackable,
@@ -279,33 +272,6 @@ def computed_once(*tensors):
     if _xla_ops is None or not in_xla_context():
         return tensors
     return tuple(_xla_ops.xla_optimization_barrier(list(tensors)))
-
-
-def called_apart(branch):
-    """`branch`, a `tf.cond` branch function that returns tensors, run as one call of a
-    function of its own where a `tf.function` is traced outside XLA; as it is elsewhere.
-
-    A `tf.cond` in a traced function runs on TensorFlow's executor as both branches' operations
-    with switches in front: the branch not taken is visited too, each of its operations
-    handed a dead value. A branch that is rarely taken (a skipped step's writes, about 60
-    operations) so costs every step that does not take it. Called apart (a function call
-    TensorFlow does not inline, the private ``_noinline`` attribute), it is one operation
-    there. The same operations run when it is taken. XLA compiles a conditional's branches
-    as they are, and eager code and TF1 graphs run the branch itself (a TF1 graph builds a
-    `tf.cond`'s branches as functions too, but runs only what their outputs need: inside a
-    function call, a write the branch does not return would run).
-    """
-    import tensorflow as tf
-
-    def call():
-        # The outermost context decides: a TF1 graph's branches are functions too.
-        if (_NO_INLINE is None or tf.executing_eagerly()
-                or not tf.compat.v1.executing_eagerly_outside_functions()
-                or in_xla_context()):
-            return branch()
-        return tf.function(branch, autograph=False, experimental_attributes={_NO_INLINE: True})()
-
-    return call
 
 
 def tape_may_record():

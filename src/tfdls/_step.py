@@ -373,8 +373,7 @@ def _apply_in_branches(opt, verdict, unscaled, variables):
         writes.branch(finite=False)
         return tf.constant(False)
 
-    # A finite step does not visit the skipped step's operations (see `called_apart`).
-    tf.cond(verdict.is_finite, finite_step, _compat.called_apart(skipped_step))
+    tf.cond(verdict.is_finite, finite_step, skipped_step)
 
 
 def _warn_fallback(opt, reason):

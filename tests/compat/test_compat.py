@@ -104,54 +104,6 @@ def test_computed_once_is_a_barrier_inside_xla_and_nothing_outside():
     assert "XlaOptimizationBarrier" not in ops_of(False)
 
 
-@pytest.mark.parametrize("context", ["eager", "function", "xla", "tf1"])
-def test_called_apart_is_one_call_not_inlined_only_in_a_traced_function(context):
-    """The branch's value and writes, whatever the context; a call of a function marked not
-    to be inlined only where a `tf.function` is traced outside XLA."""
-    counter = tf.Variable(0, dtype=tf.int64)
-
-    def cond(pred):
-        written = _compat.called_apart(lambda: counter.assign_add(1))
-        value = _compat.called_apart(lambda: tf.constant(7.0) * 2.0)
-        return (tf.cond(pred, written, lambda: tf.constant(0, tf.int64)),
-                tf.cond(pred, value, lambda: tf.constant(0.0)))
-
-    if context == "tf1":
-        # As the branch itself: a write the branch does not return is pruned alike.
-        after = []
-        for wrap in (lambda branch: branch, _compat.called_apart):
-            with tf.Graph().as_default() as graph:
-                v = tf.compat.v1.Variable(0, dtype=tf.int64)
-                returned = tf.compat.v1.Variable(0, dtype=tf.int64)
-
-                def branch():
-                    v.assign_add(1)
-                    return returned.assign_add(1)
-
-                out = tf.cond(tf.constant(True), wrap(branch), lambda: tf.constant(0, tf.int64))
-                with tf.compat.v1.Session() as session:
-                    session.run([v.initializer, returned.initializer])
-                    assert session.run(out) == 1
-                    after.append(session.run(v))
-                library = graph.as_graph_def().library.function
-                assert not [f for f in library if f.attr["_noinline"].b]
-        assert after[0] == after[1], after
-        return
-    if context == "eager":
-        written, value = cond(tf.constant(True))
-    else:
-        step = tf.function(cond, jit_compile=context == "xla")
-        concrete = step.get_concrete_function(tf.TensorSpec([], tf.bool))
-        written, value = concrete(tf.constant(True))
-        library = {f.signature.name: f for f in concrete.graph.as_graph_def().library.function}
-        calls = [node for f in library.values() for node in f.node_def
-                 if node.op in ("PartitionedCall", "StatefulPartitionedCall")]
-        assert len(calls) == (2 if context == "function" else 0), calls
-        for call in calls:
-            assert library[call.attr["f"].func.name].attr["_noinline"].b
-    assert float(value) == 14.0 and int(written) == int(counter.numpy()) == 1
-
-
 def test_a_missing_private_name_is_a_clear_import_error():
     error = _compat._missing("keras.src.utils.tracking.no_automatic_dependency_tracking")
     assert isinstance(error, ImportError)
