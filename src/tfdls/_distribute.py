@@ -89,6 +89,49 @@ def state_variable(name, initial_value, dtype):
         )
 
 
+@contextlib.contextmanager
+def built_before_the_trace(variables):
+    """Where the optimizer of `variables` makes its variables: now, as eager variables,
+    when its first `apply` is traced in a `tf.function` and no strategy is set.
+
+    A `tf.function` whose first trace makes variables traces its Python a second
+    time and runs that trace, without the `build`: what `build` wrote is lost
+    (Keras' `ScheduleFreeAdamW` starts its momentum at the weights), and Keras' `fit`
+    builds the optimizer inside its first trace when no strategy is set, so every
+    first `fit` traced `train_step` twice. Made in `tf.init_scope` with
+    `experimental_enable_variable_lifting=False` (a `tf.Variable` argument), the
+    variables are the eager variables a lifted one would be, made and written before
+    the trace goes on, and the function traces once.
+
+    Left as it was: under a strategy (its own variable creator makes them, mirrored,
+    where it was entered, and Keras builds before the trace there), and where some of
+    `variables` were made in the same trace and hold no value yet (the function is
+    traced twice for them anyway, and a `build` that reads them could not).
+    """
+    if under_any_strategy() or not tf.inside_function() or not _all_initialized(variables):
+        yield
+        return
+
+    def made_now(next_creator, **kwargs):
+        kwargs["experimental_enable_variable_lifting"] = False
+        return next_creator(**kwargs)
+
+    with tf.init_scope(), tf.variable_creator_scope(made_now):
+        yield
+
+
+def _all_initialized(variables):
+    """Whether every one of `variables` holds a value: read once, eagerly, when the
+    optimizer is built (not in a step)."""
+    with tf.init_scope():
+        for variable in variables:
+            held = _compat.underlying_variable(variable)  # a Keras variable's tf.Variable
+            handle = getattr(variable if held is None else held, "handle", None)
+            if handle is not None and not tf.raw_ops.VarIsInitializedOp(resource=handle):
+                return False
+    return True
+
+
 def sum_over_replicas(value):
     """All-reduces `value` (SUM) over the replicas; identity without a strategy.
 

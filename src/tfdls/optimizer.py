@@ -392,9 +392,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
                 "trainable_variables; they must match one to one."
             )
         if variables is not None and self._boundary_scales is not None and not self.built:
-            with keras.name_scope(self.name, caller=self):
-                self.build(variables)
-            self.built = True
+            self._build_first(variables)
         positions = None if variables is None or not self.built else self._positions(variables)
         _, scale = self._scales(positions)
         how = _division.method(self.loss_scale.always_power_of_two, _compat.in_xla_context())
@@ -481,10 +479,17 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
                  and not hasattr(g, "dtype") else g
                  for g, v in zip(grads, trainable_variables)]
         if grads and not self.built:
-            with keras.name_scope(self.name, caller=self):
-                self.build(trainable_variables)
-            self.built = True
+            self._build_first(trainable_variables)
         return grads, trainable_variables
+
+    def _build_first(self, variables):
+        """The first build, from `apply` or `get_unscaled_gradients`: in a trace, its
+        variables made (and written) now, not when the function has been traced
+        (`_distribute.built_before_the_trace`)."""
+        with _distribute.built_before_the_trace(variables), \
+                keras.name_scope(self.name, caller=self):
+            self.build(variables)
+        self.built = True
 
     def finalize_variable_values(self, var_list):
         """Called by `fit` at the end of training: also applies `min_scale_policy`."""

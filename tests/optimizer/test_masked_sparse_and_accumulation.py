@@ -90,6 +90,10 @@ class _Pair:
             jit_compile=jit_compile,
         )
         self.bare = make_optimizer(name, "w", learning_rate=1e-2, **options)
+        # Built now, as tfdls builds its inner optimizer (`_distribute.built_before_the_trace`):
+        # a first build inside the step's trace loses what `build` writes (ScheduleFreeAdamW
+        # starts its momentum at the weights).
+        self.bare.build(self.bare_variables)
         self.step = tf.function(lambda g: self.opt.apply(g, self.variables), jit_compile=xla)
         # Where tfdls compiles its apply, the bare step is compiled too.
         self.compiled = mode != "graph-jit-false"
