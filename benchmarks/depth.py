@@ -83,14 +83,11 @@ def measure(model_name, mode, scale):
             "growth_mb": (_kib("VmHWM") - before_kib) / 1024, "loss": float(loss)}
 
 
-def run_one(model_name, mode, scale, repeats=1):
-    """`repeats` fresh subprocesses of one configuration; the one with the least CPU time."""
-    runs = []
-    for _ in range(repeats):
-        out = subprocess.run([sys.executable, __file__, "--model", model_name, "--mode", mode,
-                              "--scale", scale], capture_output=True, text=True, check=True)
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    return min(runs, key=lambda r: r["cpu_s"])
+def run_once(model_name, mode, scale):
+    """One fresh subprocess of one configuration: its JSON-ready dict."""
+    out = subprocess.run([sys.executable, __file__, "--model", model_name, "--mode", mode,
+                          "--scale", scale], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def table(results):
@@ -117,19 +114,27 @@ def main():
     parser.add_argument("--model", choices=MODELS)
     parser.add_argument("--mode", choices=MODES)
     parser.add_argument("--scale", choices=SCALES)
-    parser.add_argument("--repeats", type=int, default=1, help="table: processes per configuration")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="table: rounds, each a process per configuration")
     parser.add_argument("--json", help="table: also write the results here")
     args = parser.parse_args()
     if args.model and args.mode and args.scale:
         print(json.dumps(measure(args.model, args.mode, args.scale)))
         return
+    configs = list(itertools.product([args.model] if args.model else MODELS,
+                                     [args.mode] if args.mode else MODES,
+                                     [args.scale] if args.scale else SCALES))
+    # Round by round, every configuration once, so that a slow spell of a shared host
+    # falls on the global scale and the boundaries alike; per configuration, the
+    # run with the least CPU time.
     results = {}
-    for config in itertools.product([args.model] if args.model else MODELS,
-                                    [args.mode] if args.mode else MODES,
-                                    [args.scale] if args.scale else SCALES):
-        print("running", *config, file=sys.stderr, flush=True)
-        results[config] = run_one(*config, repeats=args.repeats)
-        print(json.dumps(results[config]), file=sys.stderr, flush=True)
+    for round_ in range(args.repeats):
+        for config in configs:
+            print("running", *config, f"(round {round_ + 1})", file=sys.stderr, flush=True)
+            run = run_once(*config)
+            print(json.dumps(run), file=sys.stderr, flush=True)
+            if config not in results or run["cpu_s"] < results[config]["cpu_s"]:
+                results[config] = run
     if args.json:
         with open(args.json, "w") as f:
             json.dump(list(results.values()), f, indent=1)

@@ -10,12 +10,13 @@ scale alone, each in its own process: process CPU seconds from `compile` to
 the end of `fit`, and the process' peak resident set size; in graph mode and
 with the whole step compiled by XLA.
 
-Measured on a shared 2-core Xeon (benchmarks/depth.py, docs/per-layer-scales.md):
-1.7x the CPU time and 1.1x the peak in graph mode, 1.7x to 2x and 1.4x under
-XLA; the bounds leave room for a loaded machine and catch what grows faster
-than linearly, not 10% (in graph mode the peak bound catches a compiled apply
-whose updates are kernels of their own again: 1.46x; under XLA the fusion
-count below does).
+Measured on this project's shared 2-core machine (benchmarks/depth.py,
+docs/per-layer-scales.md): 1.5x to 1.7x the CPU time and 1.1x the peak in graph
+mode, 1.6x and 1.25x to 1.3x under XLA; the bounds leave room for a loaded machine
+and catch what grows faster than linearly, not 10%. The peak bounds also catch
+per-boundary kernels coming back: in graph mode a compiled apply whose updates are
+kernels of their own (1.46x), under XLA a factor write or divisor read at a
+constant index (1.44x to 1.46x); the fusion counts below catch them first.
 """
 
 import json
@@ -25,7 +26,7 @@ import sys
 import pytest
 
 # Per mode: (CPU time, peak memory), at most this multiple of the global scale's.
-MAX_RATIOS = {"graph": (3.0, 1.35), "xla": (3.0, 1.7)}
+MAX_RATIOS = {"graph": (3.0, 1.35), "xla": (3.0, 1.4)}
 
 _SCRIPT = """
 import json, os, resource, sys
@@ -122,14 +123,12 @@ def test_equal_layers_are_checked_and_divided_together(whole_step_xla):
     shallow = _traced_apply_op_counts(12, whole_step_xla)
     deep = _traced_apply_op_counts(16, whole_step_xla)
     more_gradients = 8  # a kernel and a bias per layer
-    per_step = ["LeftShift", "Bitcast", "IsFinite", "All", "Min", "BitwiseAnd", "Pack"]
-    # Under XLA each segment's reciprocal pieces are divided and rounded to a power of two
-    # from their bits (`_rows_of_reciprocals`): two Bitcasts and a BitwiseAnd per boundary.
-    per_boundary = {"Bitcast": 2, "BitwiseAnd": 1} if whole_step_xla else {}
+    # IsNan: TensorFlow lowers it to XLA through MLIR, about 10 ms of compile each; a
+    # boundary's factor reading (`readings.integer_exponent`) holds none.
+    per_step = ["LeftShift", "Bitcast", "IsFinite", "All", "Min", "BitwiseAnd", "Pack", "IsNan"]
     per_gradient = {} if whole_step_xla else {"IsFinite": 1, "All": 1, "Min": 1, "Max": 1}
     assert ({op: deep[op] - shallow[op] for op in per_step}
-            == {op: 4 * per_boundary.get(op, 0) + more_gradients * per_gradient.get(op, 0)
-                for op in per_step})
+            == {op: more_gradients * per_gradient.get(op, 0) for op in per_step})
     # The other reductions that grow are the adaptation's, one per level of nesting.
     assert deep["Max"] - shallow["Max"] == 4 + more_gradients * per_gradient.get("Max", 0)
 
@@ -195,11 +194,25 @@ def test_equal_boundaries_backward_passes_compile_to_one_kernel_under_xla():
     assert len(deep) == len(shallow), (len(shallow), len(deep))
 
 
+def test_no_kernel_per_boundary_under_whole_step_xla():
+    """The whole step compiles the same number of distinct kernels at 20 nested
+    boundaries as at 40 (both place their factors in one loop, `UNROLLED_LEVELS`):
+    every per-boundary value is read from a vector at an index the computation takes
+    as an argument (`boundaries.step.elements`), so equal fusions of different
+    boundaries compile once. Each factor written and each segment's divisor read at a
+    constant index was a kernel of its own (at 100 boundaries, 201 of 272 distinct
+    kernels, each about 1.7 MB on the CPU backend). Up to 2 more: a few fusions
+    take the shape of the boundaries' vectors."""
+    shallow, deep = _distinct_whole_step_kernels(20), _distinct_whole_step_kernels(40)
+    assert shallow
+    assert len(deep) <= len(shallow) + 2, (len(shallow), len(deep))
+
+
 def test_equal_boundaries_updates_compile_to_one_kernel_under_whole_step_xla():
     """Under whole-step XLA the divisors are computed in the step's one cluster: each
-    segment's reciprocal powers of two are divided in an operation of their own, which
-    XLA does not copy into the fusions that read them, so the updates of equal layers
-    below different boundaries are equal fusions, compiled once. When each update read
+    segment's row of reciprocal powers of two is read at an index the computation takes
+    as an argument (`boundaries.step.elements`), so the updates of equal layers below
+    different boundaries are equal fusions, compiled once. When each update read
     its divisor at a constant index of one vector, each was a kernel of its own (at 100
     boundaries, 202 of the first `fit`'s 364 kernels)."""
     shallow = _distinct_whole_step_kernels(12, "f32[8,8]", "subtract(")

@@ -11,6 +11,7 @@ scale answers the overflow.
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -159,7 +160,7 @@ class BoundaryScales(tf.Module):
         boundaries lowered on the last skipped step (a bool vector)."""
         if not self.boundaries:
             return
-        for b, value in zip(self.boundaries, tf.unstack(new, len(self.boundaries))):
+        for b, value in zip(self.boundaries, elements(new, len(self.boundaries))):
             b.log2_factor.assign(value)
         self.lowered.assign(lowered)
 
@@ -312,7 +313,7 @@ class BoundaryScales(tf.Module):
         # Computed once: every gradient's division reads a segment of these.
         exponents, = _compat.computed_once(exponents)
         # Inside this trace's own XLA cluster (whole-step XLA), not before a compiled
-        # apply's: see `_rows_of_reciprocals`.
+        # apply's (whose cluster takes each segment's pieces as arguments).
         in_cluster = _compat.in_xla_context()
         if in_xla is None:
             in_xla = in_cluster
@@ -331,7 +332,10 @@ class BoundaryScales(tf.Module):
                         dtype, exponents, self.max_exponent), axis=1))
                     pieces[bound] = tf.unstack(stacked, axis=1)
                     if in_cluster:
-                        rows = _rows_of_reciprocals(dtype, exponents, self.max_exponent)
+                        # Each segment's row read at an index XLA takes as an argument
+                        # (`elements`): every update below a boundary reads its pieces
+                        # alike, so the updates of equal layers compile to one kernel.
+                        rows = elements(stacked, segments)
                         for (_, by_bound, _), row in zip(by_segment, rows):
                             by_bound[bound] = tf.unstack(row)
                         continue
@@ -497,24 +501,37 @@ class BoundaryStep:
         return global_shrinks
 
 
-def _rows_of_reciprocals(dtype, exponents, max_exponent):
-    """Per segment, the `_division.reciprocal_pieces_for` `dtype` of its exponent, as a
-    vector: each row the reciprocals of its powers of two, divided in the row's own operation.
+def elements(vector, count):
+    """`tf.unstack(vector, count)`; inside XLA, each element read at an index that the
+    computation takes as an argument (a captured constant), not at a constant one.
 
-    Inside the XLA cluster of a whole step. XLA copies a cheap producer, such
-    as an element of a vector read at a constant index, into each fusion that
-    reads it, so every gradient update below a boundary compiled to a kernel
-    of its own (at 100 boundaries, 202 of the first `fit`'s 364 kernels); it
-    does not copy a division into a fusion that reads each element many
-    times. The row's division ends its fusion there, and the updates, which
-    read the same constant indices of their rows, compile once per shape.
-    Exact, whatever the division's last bits: each power is a normal float32
-    ``2**j``, |j| <= 126, whose reciprocal ``2**-j`` is one too, and the
-    quotient is rounded to the nearest power of two from its bits
-    (`_division.nearest_power_of_two`), the value `reciprocal_pieces` builds.
+    XLA compiles a kernel per distinct fusion, and an element read at a
+    constant index makes each element's fusion distinct: at 100 boundaries a
+    kernel per factor written and one per segment's divisor, about 1.7 MB
+    each on the CPU backend. Read at an argument, the elements' equal fusions
+    compile once. The values are the same either way.
     """
-    powers = tf.stack(_division.reciprocal_pieces_for(dtype, -exponents, max_exponent), axis=1)
-    return [_division.nearest_power_of_two(1.0 / row) for row in tf.unstack(powers)]
+    if not _compat.in_xla_context():
+        return tf.unstack(vector, count)
+    indices = _index_arguments(count)
+    if indices is None:
+        return tf.unstack(vector, count)
+    return [tf.gather(vector, k) for k in indices]
+
+
+_INDEX_ARGUMENTS = []  # eager int32 scalars 0, 1, ...: captured, so arguments
+_INDEX_LOCK = threading.Lock()
+
+
+def _index_arguments(count):
+    """Eager constants 0 .. count - 1 (None where there is no eager context to make them:
+    a TF1 graph)."""
+    with tf.init_scope(), _INDEX_LOCK:
+        if not tf.executing_eagerly():
+            return None
+        while len(_INDEX_ARGUMENTS) < count:
+            _INDEX_ARGUMENTS.append(tf.constant(len(_INDEX_ARGUMENTS), tf.int32))
+        return _INDEX_ARGUMENTS[:count]
 
 
 def _dtypes_of(grads):
