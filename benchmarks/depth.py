@@ -3,7 +3,8 @@
     python benchmarks/depth.py                      # the whole table, one subprocess each
     python benchmarks/depth.py --model mlp100 --mode graph --scale boundaries   # one, as JSON
 
-Models, under mixed_float16: `mlp100`, 100 Dense(64, sigmoid) layers (models.mlp), batch 32;
+Models, under mixed_float16: `mlp100` and `mlp24`, 100 or 24 Dense(64, sigmoid) layers
+(models.mlp), batch 32;
 `resnet50`, keras.applications.ResNet50(weights=None, input_shape=(IMAGE, IMAGE, 3),
 classes=10), batch 4. `boundaries`: `tfdls.add_scale_boundaries(model, every=1)` and
 `scale_boundaries=` in the optimizer; `global`: the model as it is. SGD(1e-3);
@@ -29,7 +30,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
-MODELS, MODES, SCALES = ("mlp100", "resnet50"), ("graph", "xla"), ("global", "boundaries")
+MODELS, MODES, SCALES = ("mlp24", "mlp100", "resnet50"), ("graph", "xla"), ("global", "boundaries")
 IMAGE, STEPS = 64, 2
 
 
@@ -54,8 +55,8 @@ def measure(model_name, mode, scale):
 
     keras.mixed_precision.set_global_policy("mixed_float16")
     keras.utils.set_random_seed(0)
-    if model_name == "mlp100":
-        model, batch = models.mlp(100, 64, activation="sigmoid"), 32
+    if model_name.startswith("mlp"):
+        model, batch = models.mlp(int(model_name[3:]), 64, activation="sigmoid"), 32
         x = np.random.default_rng(0).standard_normal((STEPS * batch, 64)).astype("float32")
     else:
         model, batch = keras.applications.ResNet50(
@@ -71,7 +72,7 @@ def measure(model_name, mode, scale):
     optimizer = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1e-3), **extra)
     open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) restarts from here
     before_kib, cpu0, wall0 = _kib("VmRSS"), _cpu(), time.perf_counter()
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=model_name == "mlp100")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=model_name.startswith("mlp"))
     model.compile(optimizer, loss, jit_compile=mode == "xla")
     history = model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
     wall, cpu = time.perf_counter() - wall0, _cpu() - cpu0

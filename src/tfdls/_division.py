@@ -110,6 +110,15 @@ def power_of_two(exponent):
     return tf.bitcast(tf.bitwise.left_shift(exponent + 127, 23), tf.float32)
 
 
+def nearest_power_of_two(value):
+    """The float32 power of two nearest `value` (normal, positive float32 values,
+    elementwise; from 1.5 ``2**k`` up, ``2**(k + 1)``), from the bits: exact for any
+    approximation within a quarter of it, such as a division that is not IEEE's (XLA's
+    GPU backend divides float32 to within 2 ulp)."""
+    bits = tf.bitcast(tf.cast(value, tf.float32), tf.int32)
+    return tf.bitcast(tf.bitwise.bitwise_and(bits + (1 << 22), 0x7F800000), tf.float32)
+
+
 def exponent_of(power):
     """The int32 exponent ``k`` of a float32 normal power of two ``2**k``."""
     bits = tf.bitcast(tf.cast(power, tf.float32), tf.int32)

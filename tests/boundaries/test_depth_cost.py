@@ -208,6 +208,25 @@ def test_no_kernel_per_boundary_under_whole_step_xla():
     assert len(deep) <= len(shallow) + 2, (len(shallow), len(deep))
 
 
+def test_with_an_accelerator_visible_no_index_is_captured(monkeypatch):
+    """Where a GPU or TPU is visible the step may run there, and a captured index (an
+    eager tensor on the host) would be copied to it on every call: none is made, the
+    factors' writes are unstacked and each segment's row of pieces is divided in an
+    operation of its own (`_rows_of_reciprocals`), as before indices were captured. The
+    updates of equal layers still compile to one kernel; the writes and the divisions
+    are a kernel per boundary again. Checked on the CPU by making
+    `_accelerators_visible` say so."""
+    from tfdls.boundaries import step as boundary_step
+
+    cpu = len(_distinct_whole_step_kernels(20))
+    monkeypatch.setattr(boundary_step, "_accelerators_visible", lambda: True)
+    assert boundary_step._index_arguments(3) is None
+    assert len(_distinct_whole_step_kernels(20)) >= cpu + 2 * 20 - 5
+    shallow = _distinct_whole_step_kernels(12, "f32[8,8]", "subtract(")
+    deep = _distinct_whole_step_kernels(20, "f32[8,8]", "subtract(")
+    assert shallow and len(deep) == len(shallow), (len(shallow), len(deep))
+
+
 def test_equal_boundaries_updates_compile_to_one_kernel_under_whole_step_xla():
     """Under whole-step XLA the divisors are computed in the step's one cluster: each
     segment's row of reciprocal powers of two is read at an index the computation takes

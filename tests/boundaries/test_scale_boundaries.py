@@ -1234,6 +1234,58 @@ def test_clipped_exponents_divide_bit_identically_to_the_full_chain(hypothesis):
 
 
 @pytest.mark.parametrize("jit", [False, True])
+def test_nearest_power_of_two_corrects_an_approximate_division(jit):
+    """The rows' quotients are rounded to the nearest power of two from their bits, so
+    they are exact even where a division is not IEEE's (XLA's GPU backend divides
+    float32 to within 2 ulp): every normal power of two, and values up to 8 ulp and
+    20% either side of it, give it back; 1.5 times it rounds up."""
+    from tfdls import _division
+
+    exact = np.ldexp(np.float32(1.0), np.arange(-126, 127)).astype(np.float32)
+    bits = exact.view(np.int32)
+    near = [(bits + ulps).view(np.float32) for ulps in (-8, -2, -1, 0, 1, 2, 8)]
+    near += [exact * np.float32(0.8), exact[:-1] * np.float32(1.2)]
+    snap = tf.function(_division.nearest_power_of_two, jit_compile=jit)
+    for values in near:
+        got = snap(tf.constant(values)).numpy()
+        assert got.view(np.int32).tolist() == exact[:len(values)].view(np.int32).tolist()
+    up = snap(tf.constant(exact[:-1] * np.float32(1.5))).numpy()
+    assert up.tolist() == exact[1:].tolist()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_rows_of_reciprocals_are_the_bit_built_pieces_under_xla(dtype):
+    """Under whole-step XLA with an accelerator visible (no argument indices, see
+    `elements`) each segment's pieces are divided, `1.0 / row`, so that XLA keeps them
+    out of the updates' fusions: bit for bit the pieces `reciprocal_pieces`
+    builds from their bits, for every normal power of two and exponents to +-1628
+    (100 boundaries; float32 clipped to 3 pieces, float64 in 13)."""
+    from tfdls import _division
+
+    bound = 128 + 15 * 100
+
+    def reciprocals(j):  # every exponent of a piece
+        return 1.0 / _division.power_of_two(j)
+
+    every = tf.range(-126, 127)
+    got = tf.function(reciprocals, jit_compile=True)(every).numpy()
+    want = _division.power_of_two(-every).numpy()
+    assert got.view(np.int32).tolist() == want.view(np.int32).tolist()
+
+    exponents = tf.constant([0, 1, -1, 125, 126, 127, -126, -127, 252, 253, -253, 278, 279,
+                             -279, 300, -300, 1000, -1000, bound, -bound], tf.int32)
+
+    def both(e):
+        rows = _boundary_scales._rows_of_reciprocals(tf.as_dtype(dtype), e, bound)
+        return tf.stack(rows), tf.stack(_division.reciprocal_pieces_for(tf.as_dtype(dtype), e,
+                                                                        bound), axis=1)
+
+    rows, pieces = tf.function(both, jit_compile=True)(exponents)
+    assert rows.shape == pieces.shape == (len(exponents), 3 if dtype == "float32" else 13)
+    assert rows.numpy().view(np.int32).tolist() == pieces.numpy().view(np.int32).tolist()
+
+
+@pytest.mark.parametrize("jit", [False, True])
 def test_elements_are_the_unstacked_values_bit_for_bit(jit):
     """`elements` reads each element (or row) at an index XLA takes as an argument:
     the same values, in the same order, as `tf.unstack`, bit for bit (-0.0 and a NaN's

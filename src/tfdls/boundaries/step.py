@@ -333,9 +333,12 @@ class BoundaryScales(tf.Module):
                     pieces[bound] = tf.unstack(stacked, axis=1)
                     if in_cluster:
                         # Each segment's row read at an index XLA takes as an argument
-                        # (`elements`): every update below a boundary reads its pieces
+                        # (see `elements`): every update below a boundary reads its pieces
                         # alike, so the updates of equal layers compile to one kernel.
-                        rows = elements(stacked, segments)
+                        # Without such indices, the rows' own division ends their fusions.
+                        indices = _index_arguments(segments)
+                        rows = ([tf.gather(stacked, k) for k in indices] if indices is not None
+                                else _rows_of_reciprocals(dtype, exponents, self.max_exponent))
                         for (_, by_bound, _), row in zip(by_segment, rows):
                             by_bound[bound] = tf.unstack(row)
                         continue
@@ -501,15 +504,41 @@ class BoundaryStep:
         return global_shrinks
 
 
+def _rows_of_reciprocals(dtype, exponents, max_exponent):
+    """Per segment, the `_division.reciprocal_pieces_for` `dtype` of its exponent, as a
+    vector: each row the reciprocals of its powers of two, divided in the row's own operation.
+
+    Inside the XLA cluster of a whole step, where `elements` has no argument indices (an
+    accelerator is visible). XLA copies a cheap producer, such
+    as an element of a vector read at a constant index, into each fusion that
+    reads it, so every gradient update below a boundary compiled to a kernel
+    of its own (at 100 boundaries, 202 of the first `fit`'s 364 kernels); it
+    does not copy a division into a fusion that reads each element many
+    times. The row's division ends its fusion there, and the updates, which
+    read the same constant indices of their rows, compile once per shape.
+    Exact, whatever the division's last bits: each power is a normal float32
+    ``2**j``, |j| <= 126, whose reciprocal ``2**-j`` is one too, and the
+    quotient is rounded to the nearest power of two from its bits
+    (`_division.nearest_power_of_two`), the value `reciprocal_pieces` builds.
+    """
+    powers = tf.stack(_division.reciprocal_pieces_for(dtype, -exponents, max_exponent), axis=1)
+    return [_division.nearest_power_of_two(1.0 / row) for row in tf.unstack(powers)]
+
+
 def elements(vector, count):
-    """`tf.unstack(vector, count)`; inside XLA, each element read at an index that the
-    computation takes as an argument (a captured constant), not at a constant one.
+    """`tf.unstack(vector, count)`; inside XLA on a machine without accelerators, each
+    element read at an index that the computation takes as an argument (a captured
+    constant), not at a constant one.
 
     XLA compiles a kernel per distinct fusion, and an element read at a
     constant index makes each element's fusion distinct: at 100 boundaries a
     kernel per factor written and one per segment's divisor, about 1.7 MB
     each on the CPU backend. Read at an argument, the elements' equal fusions
-    compile once. The values are the same either way.
+    compile once. The values are the same either way. Where a GPU or TPU is
+    visible, the step may run there, and each captured index (an eager tensor
+    on the host) would be copied to it on every call: there the elements are
+    unstacked, as before (unmeasured on a GPU; its backend compiles kernels
+    into one module).
     """
     if not _compat.in_xla_context():
         return tf.unstack(vector, count)
@@ -524,14 +553,19 @@ _INDEX_LOCK = threading.Lock()
 
 
 def _index_arguments(count):
-    """Eager constants 0 .. count - 1 (None where there is no eager context to make them:
-    a TF1 graph)."""
+    """Eager constants 0 .. count - 1 on the host; None where there is no eager context to
+    make them (a TF1 graph) or an accelerator is visible (see `elements`)."""
     with tf.init_scope(), _INDEX_LOCK:
-        if not tf.executing_eagerly():
+        if not tf.executing_eagerly() or _accelerators_visible():
             return None
         while len(_INDEX_ARGUMENTS) < count:
             _INDEX_ARGUMENTS.append(tf.constant(len(_INDEX_ARGUMENTS), tf.int32))
         return _INDEX_ARGUMENTS[:count]
+
+
+def _accelerators_visible():
+    """Whether TensorFlow sees a GPU or TPU (read at trace time)."""
+    return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
 
 
 def _dtypes_of(grads):
