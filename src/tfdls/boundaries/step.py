@@ -336,9 +336,8 @@ class BoundaryScales(tf.Module):
                         # (see `elements`): every update below a boundary reads its pieces
                         # alike, so the updates of equal layers compile to one kernel.
                         # Without such indices, the rows' own division ends their fusions.
-                        indices = _index_arguments(segments)
-                        rows = ([tf.gather(stacked, k) for k in indices] if indices is not None
-                                else _rows_of_reciprocals(dtype, exponents, self.max_exponent))
+                        rows = (_gathered(stacked, segments)
+                                or _rows_of_reciprocals(dtype, exponents, self.max_exponent))
                         for (_, by_bound, _), row in zip(by_segment, rows):
                             by_bound[bound] = tf.unstack(row)
                         continue
@@ -542,10 +541,14 @@ def elements(vector, count):
     """
     if not _compat.in_xla_context():
         return tf.unstack(vector, count)
+    return _gathered(vector, count) or tf.unstack(vector, count)
+
+
+def _gathered(vector, count):
+    """The `count` elements of `vector`, each gathered at its argument index; None where
+    there are no such indices (`_index_arguments`)."""
     indices = _index_arguments(count)
-    if indices is None:
-        return tf.unstack(vector, count)
-    return [tf.gather(vector, k) for k in indices]
+    return None if indices is None else [tf.gather(vector, k) for k in indices]
 
 
 _INDEX_ARGUMENTS = []  # eager int32 scalars 0, 1, ...: captured, so arguments
