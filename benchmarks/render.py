@@ -52,6 +52,10 @@ EXTRAS = {
 }
 
 
+def _tfdls_to(name):
+    return lambda r: _fmt(r.get("tfdls_to", {}).get(name), ".2f")
+
+
 def cell(family, v, baseline):
     """One variant's cell: ms (ratio [p25-p75]), and what its family adds."""
     if "ms" not in v:  # a GPU check's value
@@ -98,6 +102,9 @@ def markdown(report):
         # A tfdls/Keras 3 column only where both ran (not against `global`).
         shown = [(t, fn) for t, fn in extras if "Keras 3" not in t
                  or {"tfdls", "keras3"} <= set(names)]
+        # tfdls against itself at other commits (run.py --at): its median per-round ratio.
+        shown += [(f"tfdls / {labels.get(n, n)}", _tfdls_to(n)) for n in names
+                  if any(n in r.get("tfdls_to", {}) for r in results)]
         lines += ["", "| case (calls) | " + " | ".join(labels.get(n, n) for n in names)
                   + "".join(f" | {title}" for title, _ in shown) + " |",
                   "|---|" + "---:|" * (len(names) + len(shown))]

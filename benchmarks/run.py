@@ -3,7 +3,12 @@
     python benchmarks/run.py --family overhead --json overhead.json
     python benchmarks/run.py --family fit --quick
     python benchmarks/run.py --family boundaries --cases sigmoid --variants pinned_every1
+    python benchmarks/run.py --family overhead --variants keras3,tfdls --at ab2b52d
     python benchmarks/render.py overhead.json
+
+``--at REV`` (overhead and fit) times tfdls as it was at git revision REV beside the
+installed one, in the same rounds (`versions.variant_at`), and adds tfdls' median
+per-round ratio to it: a change measured against the code before it, in one process.
 
 The cases and variants are declared in cases.py, timed by timing.py and
 rendered by render.py; benchmarks/README.md explains each family.
@@ -50,8 +55,12 @@ def placement(family, device):
     return tf.device(device)
 
 
+# The families `--at` applies to: those whose cases run the "tfdls" variant in this process.
+AT_FAMILIES = ("overhead", "fit")
+
+
 def run_family(family, chosen, variants=None, rounds=None, warmup=1, device="/CPU:0",
-               dtype="float32", log=None):
+               dtype="float32", log=None, at=()):
     """Times each case of `chosen` (cases of `family`) and returns the JSON-ready report.
 
     Args:
@@ -63,11 +72,14 @@ def run_family(family, chosen, variants=None, rounds=None, warmup=1, device="/CP
         device: where the variables and steps live, e.g. "/CPU:0" or "/GPU:0".
         dtype: the gradients' dtype (overhead; variables are float32).
         log: optional ``log(message)`` for progress.
+        at: names of variants declared by `versions.variant_at` (tfdls at other commits),
+            run beside "tfdls" in each case that runs it (families `AT_FAMILIES`).
 
     Returns:
         {"benchmark": "tfdls", "family", "environment", "settings", "labels",
         "results": [{"case", "params", "calls", "variants": {name: `timing.measure`'s},
-        "floor" (overhead)}]}.
+        "floor" (overhead), "tfdls_to" (with `at`: tfdls' median per-round ratio to
+        each)}]}.
     """
     import allreduce
     import environment
@@ -75,7 +87,11 @@ def run_family(family, chosen, variants=None, rounds=None, warmup=1, device="/CP
     import overhead
     import steps
     import timing
+    import versions
 
+    if at and family not in AT_FAMILIES:
+        raise ValueError(f"at={list(at)!r}: only the families {AT_FAMILIES} time tfdls at "
+                         f"another commit; got family={family!r}")
     rounds = rounds or ROUNDS[family]
     report = {"benchmark": "tfdls", "family": family, "environment": environment.environment(),
               "settings": {"device": device, "dtype": dtype, "rounds": rounds, "warmup": warmup,
@@ -86,6 +102,8 @@ def run_family(family, chosen, variants=None, rounds=None, warmup=1, device="/CP
         if log:
             log(f"{family}: running {case.name} ...")
         names = cases.variants_of(case, variants)
+        beside = list(at) if "tfdls" in names else []
+        names += beside
         if family == "allreduce":  # timed in worker processes, by the same loop
             stats = allreduce.measure_in_cluster(case, names, rounds, warmup, device, log=log)
         else:
@@ -100,6 +118,8 @@ def run_family(family, chosen, variants=None, rounds=None, warmup=1, device="/CP
                   "variants": stats}
         if family == "overhead":
             result["floor"] = overhead.floor(case, dtype)
+        if beside:
+            result["tfdls_to"] = versions.tfdls_to(stats, beside)
         report["results"].append(result)
         gc.collect()  # the next case's variables should not share memory with these
     return report
@@ -123,7 +143,16 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16"),
                         help="the gradients' dtype in the overhead family")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    parser.add_argument("--at", default="", help="comma-separated git revisions of tfdls to "
+                        f"time beside the installed one ({', '.join(AT_FAMILIES)}; see "
+                        "benchmarks/versions.py)")
     args = parser.parse_args(argv)
+    args.at = [rev.strip() for rev in args.at.split(",") if rev.strip()]
+    if len(set(args.at)) != len(args.at):
+        parser.error(f"--at names a revision twice: {','.join(args.at)!r}")
+    if args.at and args.family not in AT_FAMILIES:
+        parser.error(f"--at applies to the families {', '.join(AT_FAMILIES)}, "
+                     f"not to --family {args.family}")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(args.variants) - set(cases.VARIANTS))
     if unknown:
@@ -146,11 +175,14 @@ def main(argv=None):
     # Each variant's step is its own tf.function of the same code, which
     # TensorFlow reports as "retracing"; timing.measure checks the real thing.
     tf.get_logger().setLevel("ERROR")
+    import versions
+
+    at = [versions.variant_at(cases, rev) for rev in args.at]
     chosen = cases.select(args.family, args.cases, args.quick, gpu="GPU" in args.device.upper())
     report = run_family(args.family, chosen, args.variants,
                         args.rounds or (QUICK_ROUNDS if args.quick else None), args.warmup,
                         args.device, args.dtype, log=lambda m: print(m, file=sys.stderr,
-                                                                      flush=True))
+                                                                      flush=True), at=at)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -21,7 +21,6 @@ unless set, as run.py for the fit family.
 """
 
 import argparse
-import dataclasses
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -72,7 +71,7 @@ def main(argv=None):
     if len(set(revisions)) != len(revisions):
         parser.error(f"--at names a revision twice: {args.at!r}")
     keras.mixed_precision.set_global_policy("mixed_float16")
-    earlier = [_add_version(cases, versions, rev) for rev in revisions]
+    earlier = [versions.variant_at(cases, rev) for rev in revisions]
     names = list(VARIANTS) + earlier
     print(f"{args.rounds} rounds of {args.steps} steps; ms per step (median), ratio to bare "
           "(median per round)\n")
@@ -84,10 +83,7 @@ def main(argv=None):
         result = timing.measure([step_run(case, name) for name in names], args.rounds,
                                 args.steps)
         # tfdls' median per-round ratio to each other variant but bare.
-        result["tfdls_to"] = {
-            name: timing.summarize({other: result[other]["samples_ms"]
-                                    for other in (name, "tfdls")})["tfdls"]["ratio"]
-            for name in ["keras3"] + earlier}
+        result["tfdls_to"] = versions.tfdls_to(result, ["keras3"] + earlier)
         results[case.name] = result
         print(f"| {case.name} | {result['bare']['ms']:.3f} "
               f"| {result['keras3']['ratio']:.2f}x | {result['tfdls']['ratio']:.2f}x "
@@ -95,15 +91,6 @@ def main(argv=None):
               + "".join(f" {result[name]['ratio']:.2f}x | {result['tfdls_to'][name]:.2f} |"
                         for name in earlier), flush=True)
     return results
-
-
-def _add_version(cases, versions, rev):
-    """Declares the variant ``tfdls@REV``: tfdls as it was at git revision `rev`."""
-    name = f"tfdls@{rev}"
-    package = versions.import_at(rev).__name__
-    cases.VARIANTS[name] = dataclasses.replace(cases.VARIANTS["tfdls"],
-                                               label=f"tfdls at {rev}", package=package)
-    return name
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ Timing `--at HEAD` beside an unchanged working tree measures the loop's own nois
 same code twice.
 """
 
+import dataclasses
 import importlib
 import io
 import pathlib
@@ -84,6 +85,26 @@ def import_at(rev, repo=REPO, cache=None):
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     return importlib.import_module(root.name)
+
+
+def variant_at(cases, rev):
+    """Declares the variant ``tfdls@REV`` in `cases` (the module): the "tfdls" variant run
+    with tfdls as it was at git revision `rev` (`import_at`); returns its name."""
+    name = f"tfdls@{rev}"
+    package = import_at(rev).__name__
+    cases.VARIANTS[name] = dataclasses.replace(cases.VARIANTS["tfdls"],
+                                               label=f"tfdls at {rev}", package=package)
+    return name
+
+
+def tfdls_to(result, names):
+    """tfdls' median per-round ratio to each variant of `names`, by name, from one case's
+    `timing.measure` result (each variant's ``samples_ms``, timed in the same rounds)."""
+    import timing
+
+    return {name: timing.summarize({other: result[other]["samples_ms"]
+                                    for other in (name, "tfdls")})["tfdls"]["ratio"]
+            for name in names}
 
 
 def _copy(commit, repo, dest, name):

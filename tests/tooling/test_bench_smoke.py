@@ -151,6 +151,48 @@ def test_step_cost_times_tfdls_at_another_commit_beside_the_installed_one(
 
 
 @pytest.mark.timeout(300)
+def test_run_times_tfdls_at_another_commit_beside_the_installed_one(
+        tmp_path, capsys, monkeypatch):
+    versions, cases, run, render = (
+        _import(n) for n in ("versions", "cases", "run", "render"))
+    monkeypatch.setattr(versions, "CACHE", tmp_path)
+    monkeypatch.setattr(cases, "VARIANTS", dict(cases.VARIANTS))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for argv, message in ((["--family", "allreduce", "--at", "HEAD"],
+                           "--at applies to the families overhead, fit, not to --family "
+                           "allreduce"),
+                          (["--family", "overhead", "--at", "HEAD,HEAD"],
+                           "--at names a revision twice: 'HEAD,HEAD'")):
+        with pytest.raises(SystemExit):
+            run.main(argv)
+        assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"at=\['tfdls@HEAD'\]: .* family='boundaries'"):
+        run.run_family("boundaries", cases.select("boundaries", quick=True), at=["tfdls@HEAD"])
+
+    path = tmp_path / "report.json"
+    case = SMALLEST["overhead"]
+    report = run.main(["--family", "overhead", "--quick", "--cases", case, "--variants",
+                       "keras3,tfdls", "--rounds", "3", "--at", "HEAD", "--json", str(path)])
+    (result,) = report["results"]
+    name = versions.package_name(versions.commit_of("HEAD"))
+    variants = result["variants"]
+    assert list(variants) == ["bare", "keras3", "tfdls", "tfdls@HEAD"]
+    # Each variant ran the package it names, and both copies of tfdls trained.
+    assert variants["tfdls"]["package"] == "tfdls" and variants["tfdls@HEAD"]["package"] == name
+    ratios = np.array(variants["tfdls"]["samples_ms"]) / np.array(
+        variants["tfdls@HEAD"]["samples_ms"])
+    assert result["tfdls_to"] == {"tfdls@HEAD": pytest.approx(np.median(ratios))}
+    table = render.main([str(path)])
+    header, _, row = [line for line in table.splitlines() if line.startswith("|")][:3]
+    assert header.endswith("| tfdls / tfdls at HEAD |")
+    assert row.endswith(f"| {result['tfdls_to']['tfdls@HEAD']:.2f} |")
+    # A case without the tfdls variant runs no copy beside it.
+    (without,) = run.run_family("fit", cases.select("fit", SMALLEST["fit"], quick=True),
+                                variants=["keras3"], rounds=1, at=["tfdls@HEAD"])["results"]
+    assert list(without["variants"]) == ["bare", "keras3"] and "tfdls_to" not in without
+
+
+@pytest.mark.timeout(300)
 def test_a_variant_that_did_not_run_is_refused():
     import keras
     import tensorflow as tf
