@@ -27,7 +27,7 @@ class Variant:
         boundary_options: keyword arguments of every `tfdls.ScaleBoundary`.
         available: False where an optional dependency is missing.
         package: the module that is tfdls for the variant: "tfdls", or a copy of it at
-            another commit (`versions.import_at`, step_cost.py's ``--at``).
+            another commit (`versions.variant_at`: ``--at`` of step_cost.py and run.py).
     """
 
     label: str

@@ -96,13 +96,15 @@ def run_family(family, chosen, variants=None, rounds=None, warmup=1, device="/CP
     report = {"benchmark": "tfdls", "family": family, "environment": environment.environment(),
               "settings": {"device": device, "dtype": dtype, "rounds": rounds, "warmup": warmup,
                            "policy": None if family == "overhead" else "mixed_float16",
-                           "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default")},
+                           "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default"),
+                           # Each copy's package names its commit (tfdls_<commit>).
+                           "at": {name: cases.VARIANTS[name].package for name in at}},
               "labels": {name: v.label for name, v in cases.VARIANTS.items()}, "results": []}
     for case in chosen:
         if log:
             log(f"{family}: running {case.name} ...")
         names = cases.variants_of(case, variants)
-        beside = list(at) if "tfdls" in names else []
+        beside = list(dict.fromkeys(at)) if "tfdls" in names else []
         names += beside
         if family == "allreduce":  # timed in worker processes, by the same loop
             stats = allreduce.measure_in_cluster(case, names, rounds, warmup, device, log=log)
@@ -153,7 +155,17 @@ def parse_args(argv=None):
     if args.at and args.family not in AT_FAMILIES:
         parser.error(f"--at applies to the families {', '.join(AT_FAMILIES)}, "
                      f"not to --family {args.family}")
+    import versions  # git only: a revision it cannot find is refused before TensorFlow loads
+
+    for rev in args.at:
+        try:
+            versions.commit_of(rev)
+        except ValueError as error:
+            parser.error(f"--at {rev}: {error}")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.at and args.variants and "tfdls" not in args.variants:
+        parser.error(f"--at times tfdls at another commit beside the tfdls variant; "
+                     f"--variants {','.join(args.variants)} leaves it out")
     unknown = sorted(set(args.variants) - set(cases.VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; known: {', '.join(cases.VARIANTS)}")

@@ -162,7 +162,11 @@ def test_run_times_tfdls_at_another_commit_beside_the_installed_one(
                            "--at applies to the families overhead, fit, not to --family "
                            "allreduce"),
                           (["--family", "overhead", "--at", "HEAD,HEAD"],
-                           "--at names a revision twice: 'HEAD,HEAD'")):
+                           "--at names a revision twice: 'HEAD,HEAD'"),
+                          (["--family", "overhead", "--at", "no-such-revision"],
+                           "--at no-such-revision: versions: no commit 'no-such-revision'"),
+                          (["--family", "fit", "--variants", "keras3", "--at", "HEAD"],
+                           "--variants keras3 leaves it out")):
         with pytest.raises(SystemExit):
             run.main(argv)
         assert message in capsys.readouterr().err
@@ -182,6 +186,7 @@ def test_run_times_tfdls_at_another_commit_beside_the_installed_one(
     ratios = np.array(variants["tfdls"]["samples_ms"]) / np.array(
         variants["tfdls@HEAD"]["samples_ms"])
     assert result["tfdls_to"] == {"tfdls@HEAD": pytest.approx(np.median(ratios))}
+    assert report["settings"]["at"] == {"tfdls@HEAD": name}
     table = render.main([str(path)])
     header, _, row = [line for line in table.splitlines() if line.startswith("|")][:3]
     assert header.endswith("| tfdls / tfdls at HEAD |")
