@@ -100,6 +100,16 @@ def test_a_quick_run_of_the_smallest_case_runs_and_renders(family, tmp_path, cap
         assert "first step tfdls/Keras 3" in table
 
 
+def _copies_apart(tmp_path, monkeypatch):
+    """`versions` and `cases`, with copies of tfdls made under `tmp_path` and the variants
+    and import path they add undone after the test."""
+    versions, cases = _import("versions"), _import("cases")
+    monkeypatch.setattr(versions, "CACHE", tmp_path)
+    monkeypatch.setattr(cases, "VARIANTS", dict(cases.VARIANTS))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    return versions, cases
+
+
 @pytest.mark.timeout(300)
 def test_step_cost_times_tfdls_at_another_commit_beside_the_installed_one(
         tmp_path, capsys, monkeypatch):
@@ -109,11 +119,8 @@ def test_step_cost_times_tfdls_at_another_commit_beside_the_installed_one(
 
     import tfdls
 
-    versions, optimizers, step_cost, cases = (
-        _import(n) for n in ("versions", "optimizers", "step_cost", "cases"))
-    monkeypatch.setattr(versions, "CACHE", tmp_path)
-    monkeypatch.setattr(cases, "VARIANTS", dict(cases.VARIANTS))
-    monkeypatch.setattr(sys, "path", list(sys.path))
+    versions, cases = _copies_apart(tmp_path, monkeypatch)
+    optimizers, step_cost = _import("optimizers"), _import("step_cost")
     with pytest.raises(ValueError, match="no commit 'no-such-revision'"):
         versions.copy_at("no-such-revision")
     root = versions.copy_at("HEAD")
@@ -153,11 +160,8 @@ def test_step_cost_times_tfdls_at_another_commit_beside_the_installed_one(
 @pytest.mark.timeout(300)
 def test_run_times_tfdls_at_another_commit_beside_the_installed_one(
         tmp_path, capsys, monkeypatch):
-    versions, cases, run, render = (
-        _import(n) for n in ("versions", "cases", "run", "render"))
-    monkeypatch.setattr(versions, "CACHE", tmp_path)
-    monkeypatch.setattr(cases, "VARIANTS", dict(cases.VARIANTS))
-    monkeypatch.setattr(sys, "path", list(sys.path))
+    versions, cases = _copies_apart(tmp_path, monkeypatch)
+    run, render = _import("run"), _import("render")
     for argv, message in ((["--family", "allreduce", "--at", "HEAD"],
                            "--at applies to the families overhead, fit, not to --family "
                            "allreduce"),
