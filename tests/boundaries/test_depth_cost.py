@@ -215,11 +215,11 @@ def test_with_an_accelerator_visible_no_index_is_captured(monkeypatch):
     operation of its own (`_rows_of_reciprocals`), as before indices were captured. The
     updates of equal layers still compile to one kernel; the writes and the divisions
     are a kernel per boundary again. Checked on the CPU by making
-    `_accelerators_visible` say so."""
+    `accelerator_visible` (`tfdls.finite`'s, as the step reads it) say so."""
     from tfdls.boundaries import step as boundary_step
 
     cpu = len(_distinct_whole_step_kernels(20))
-    monkeypatch.setattr(boundary_step, "_accelerators_visible", lambda: True)
+    monkeypatch.setattr(boundary_step, "accelerator_visible", lambda: True)
     assert boundary_step._index_arguments(3) is None
     assert len(_distinct_whole_step_kernels(20)) >= cpu + 2 * 20 - 5
     shallow = _distinct_whole_step_kernels(12, "f32[8,8]", "subtract(")

@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdls import _compat, _distribute, _division, finite
+from tfdls.finite import accelerator_visible
 from tfdls.boundaries import layers, ownership, registry
 
 
@@ -559,16 +560,11 @@ def _index_arguments(count):
     """Eager constants 0 .. count - 1 on the host; None where there is no eager context to
     make them (a TF1 graph) or an accelerator is visible (see `elements`)."""
     with tf.init_scope(), _INDEX_LOCK:
-        if not tf.executing_eagerly() or _accelerators_visible():
+        if not tf.executing_eagerly() or accelerator_visible():
             return None
         while len(_INDEX_ARGUMENTS) < count:
             _INDEX_ARGUMENTS.append(tf.constant(len(_INDEX_ARGUMENTS), tf.int32))
         return _INDEX_ARGUMENTS[:count]
-
-
-def _accelerators_visible():
-    """Whether TensorFlow sees a GPU or TPU (read at trace time)."""
-    return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
 
 
 def _dtypes_of(grads):
