@@ -149,19 +149,12 @@ def parse_args(argv=None):
                         f"time beside the installed one ({', '.join(AT_FAMILIES)}; see "
                         "benchmarks/versions.py)")
     args = parser.parse_args(argv)
-    args.at = [rev.strip() for rev in args.at.split(",") if rev.strip()]
-    if len(set(args.at)) != len(args.at):
-        parser.error(f"--at names a revision twice: {','.join(args.at)!r}")
+    import versions  # git only: refuses a bad revision before TensorFlow loads
+
+    args.at = versions.revisions(parser, args.at)
     if args.at and args.family not in AT_FAMILIES:
         parser.error(f"--at applies to the families {', '.join(AT_FAMILIES)}, "
                      f"not to --family {args.family}")
-    import versions  # git only: a revision it cannot find is refused before TensorFlow loads
-
-    for rev in args.at:
-        try:
-            versions.commit_of(rev)
-        except ValueError as error:
-            parser.error(f"--at {rev}: {error}")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if args.at and args.variants and "tfdls" not in args.variants:
         parser.error(f"--at times tfdls at another commit beside the tfdls variant; "

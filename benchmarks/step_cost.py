@@ -60,16 +60,14 @@ def main(argv=None):
     parser.add_argument("--at", default="", help="comma-separated git revisions of tfdls to "
                         "time beside the installed one (see benchmarks/versions.py)")
     args = parser.parse_args(argv)
+    import versions
+
+    revisions = versions.revisions(parser, args.at)
 
     import keras
 
     import cases
     import timing
-    import versions
-
-    revisions = [rev for rev in args.at.split(",") if rev]
-    if len(set(revisions)) != len(revisions):
-        parser.error(f"--at names a revision twice: {args.at!r}")
     keras.mixed_precision.set_global_policy("mixed_float16")
     earlier = [versions.variant_at(cases, rev) for rev in revisions]
     names = list(VARIANTS) + earlier

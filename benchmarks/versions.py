@@ -87,6 +87,20 @@ def import_at(rev, repo=REPO, cache=None):
     return importlib.import_module(root.name)
 
 
+def revisions(parser, text):
+    """The revisions of an ``--at`` option (`text`, comma-separated), each checked with git;
+    a revision named twice or unknown to git is `parser.error` (before TensorFlow loads)."""
+    revs = [rev.strip() for rev in text.split(",") if rev.strip()]
+    if len(set(revs)) != len(revs):
+        parser.error(f"--at names a revision twice: {','.join(revs)!r}")
+    for rev in revs:
+        try:
+            commit_of(rev)
+        except ValueError as error:
+            parser.error(f"--at {rev}: {error}")
+    return revs
+
+
 def variant_at(cases, rev):
     """Declares the variant ``tfdls@REV`` in `cases` (the module): the "tfdls" variant run
     with tfdls as it was at git revision `rev` (`import_at`); returns its name."""
