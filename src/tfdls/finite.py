@@ -25,9 +25,7 @@ Per gradient it uses one of two exact reductions:
 Inside XLA, small gradients of one dtype and shape (a deep model's equal
 layers) are stacked and reduced together, each still answered for itself
 (`STACK_MAX_ELEMENTS`): one reduction per shape instead of one per gradient,
-and XLA fuses the stack into the reduction. In the matrix-vector form each is
-multiplied where it lies and only the products' rows are stacked: XLA cannot
-fuse a stack into a dot, so it would copy them. Outside XLA each gradient is
+and XLA fuses the stack into the reduction. Outside XLA each gradient is
 read alone: there a stack is a copy of its members every step, which costs
 more than the reductions it saves (the check, `finite_flags`, and the
 magnitudes the scale boundaries read, `largest_magnitudes`, alike).
@@ -35,7 +33,6 @@ magnitudes the scale boundaries read, `largest_magnitudes`, alike).
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from typing import Any, Sequence
@@ -120,20 +117,17 @@ def matvec_width(value: tf.Tensor, in_xla: bool, max_width: int = 4096) -> int |
     return None
 
 
-def _matvec_flag(parts, width):
-    # One flag per tensor of `parts` (all of one dtype and shape): a scalar for one.
-    size = parts[0].shape.num_elements()
+def _matvec_flag(value, width, batched=False):
+    # `batched`: `value` stacks tensors along its first axis; a flag per tensor.
+    size = value.shape[1:].num_elements() if batched else value.shape.num_elements()
     # 2**k >= 16 * size leaves a factor 16 for rounding growth in any
     # summation order (at most (1 + 2**-24)**size, < 8 for size < 2**25 and
     # far smaller for the blocked sums BLAS and XLA use).
     k = math.ceil(math.log2(size)) + 4
-    weight = tf.fill([width], tf.constant(2.0**-k, parts[0].dtype))
-    # Each tensor's own product, then its rows stacked: stacking the tensors
-    # instead would copy them every step (XLA cannot fuse a stack into a dot).
-    rows = [tf.linalg.matvec(tf.reshape(part, [-1, width]), weight) for part in parts]
-    if len(parts) == 1:
-        return tf.math.is_finite(tf.reduce_sum(rows[0]))
-    return tf.math.is_finite(tf.reduce_sum(tf.stack(rows), axis=-1))
+    weight = tf.fill([width], tf.constant(2.0**-k, value.dtype))
+    rows = tf.linalg.matvec(tf.reshape(value, [value.shape[0], -1, width] if batched
+                                       else [-1, width]), weight)
+    return tf.math.is_finite(tf.reduce_sum(rows, axis=-1 if batched else None))
 
 
 def _exact_flag(value, batched=False):
@@ -161,20 +155,15 @@ STACK_MAX_MEMBERS = 16
 
 class _Unit:
     """What one reduction reads: the tensor `first` alone, or tensors `members`
-    (indices into the list given; their tensors `parts`) stacked along a new first
-    axis (`batched`, `value`); `first` is the first of them (its dtype and shape are
-    every member's)."""
+    (indices into the list given) stacked along a new first axis (`batched`); `first`
+    is the first of them (its dtype and shape are every member's)."""
 
-    def __init__(self, members, parts):
-        self.members, self.parts, self.first = members, parts, parts[0]
+    def __init__(self, members, value, first):
+        self.members, self.value, self.first = members, value, first
 
     @property
     def batched(self):
         return len(self.members) > 1
-
-    @functools.cached_property
-    def value(self):
-        return tf.stack(self.parts) if self.batched else self.first
 
 
 def _units(values, in_xla):
@@ -188,7 +177,9 @@ def _units(values, in_xla):
         groups.setdefault(key, []).append(i)
     chunks = [group[start:start + STACK_MAX_MEMBERS] for group in groups.values()
               for start in range(0, len(group), STACK_MAX_MEMBERS)]
-    return [_Unit(members, [values[i] for i in members]) for members in chunks]
+    return [_Unit(members, values[members[0]] if len(members) == 1
+                  else tf.stack([values[i] for i in members]), values[members[0]])
+            for members in chunks]
 
 
 def _in_order(units, results):
@@ -223,7 +214,7 @@ def _finite_flag(unit, in_xla, on_host):
     width = matvec_width(unit.first, in_xla) if on_host else None
     if width is None:
         return _exact_flag(unit.value, unit.batched)
-    return _matvec_flag(unit.parts, width)
+    return _matvec_flag(unit.value, width, unit.batched)
 
 
 def finite_flags(values: Sequence[tf.Tensor]) -> tf.Tensor:

@@ -398,43 +398,12 @@ def test_a_long_run_of_equal_tensors_is_read_in_stacks_of_at_most_16():
     (units,) = seen
     assert [unit.members for unit in units] == [list(range(0, 16)), list(range(16, 32)),
                                                 list(range(32, 40))]
-    assert [[len(unit.parts)] + unit.first.shape.as_list() for unit in units] == [
-        [16, 3], [16, 3], [8, 3]]
+    assert [unit.value.shape.as_list() for unit in units] == [[16, 3], [16, 3], [8, 3]]
     expected_largest = [float("inf") if k == 21 else float(k) for k in range(40)]
     for flags, largest in [(finite.finite_flags(values), finite.largest_magnitudes(values)),
                            (compiled_flags, compiled_largest)]:
         assert flags.numpy().tolist() == [k != 21 for k in range(40)]
         assert [float(x) for x in largest] == expected_largest
-
-
-
-def test_inside_xla_equal_wide_tensors_are_multiplied_where_they_lie(monkeypatch):
-    """Inside XLA, equal float32 tensors in the matrix-vector form are each multiplied as
-    they are, and only the products' rows are stacked: XLA cannot fuse a stack into a dot,
-    so a stack of the tensors themselves was a copy of them every step (200 64x64
-    gradients: 3.2 MB, and an SGD apply 7 to 12% slower). Each still answers for itself."""
-    monkeypatch.setattr(finite, "host_only", lambda: True)  # the form CPU-only hosts use
-    count = 20
-
-    @tf.function(jit_compile=True)
-    def flags(*values):
-        return finite.finite_flags(list(values))
-
-    concrete = flags.get_concrete_function(*[tf.TensorSpec([64, 64], tf.float32)] * count)
-    placeholders = [op for op in concrete.graph.get_operations() if op.type == "Placeholder"]
-    assert len(placeholders) == count
-    for placeholder in placeholders:
-        (consumer,) = placeholder.outputs[0].consumers()
-        assert consumer.type == "Reshape", consumer.type
-        assert [c.type for c in consumer.outputs[0].consumers()] == ["MatMul"]
-    packs = [op for op in concrete.graph.get_operations() if op.type == "Pack"]
-    assert packs  # the rows of each stack of 16 (and of 4)
-    assert all(len(op.outputs[0].shape) == 2 and op.outputs[0].shape[1] == 64 for op in packs)
-
-    values = [tf.fill([64, 64], float(k)) for k in range(count)]
-    values[17] = tf.tensor_scatter_nd_update(values[17], [[5, 9]], [float("nan")])
-    values[3] = tf.fill([64, 64], 3.4e38)  # finite, however large: no overflow
-    assert flags(*values).numpy().tolist() == [k != 17 for k in range(count)]
 
 
 # -- unknown shapes: from an outside review -------------------------------------------
