@@ -406,6 +406,30 @@ def test_a_long_run_of_equal_tensors_is_read_in_stacks_of_at_most_16():
         assert [float(x) for x in largest] == expected_largest
 
 
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64], ids=lambda d: d.name)
+def test_equal_wide_tensors_stacked_inside_xla_answer_each_for_itself(dtype, monkeypatch):
+    """Five equal 32x64 tensors inside XLA on a CPU-only host: one stack, checked by the
+    matrix-vector form (`finite.matvec_width`). Each flag is its own tensor's, and the
+    largest finite values (every element, either sign) do not overflow the products."""
+    monkeypatch.setattr(finite, "host_only", lambda: True)
+    big = EXTREMES[dtype][0]
+    values = [tf.fill([32, 64], tf.constant(sign * big, dtype)) for sign in (1, -1)]
+    values += [tf.tensor_scatter_nd_update(tf.ones([32, 64], dtype), [[31, 63]],
+                                           tf.constant([bad], dtype))
+               for bad in (float("nan"), -float("inf"), 2.0)]
+    units = []
+
+    @tf.function(jit_compile=True)
+    def flags(values):
+        units.extend(finite._units(values, _compat.in_xla_context()))
+        assert finite.matvec_width(values[0], _compat.in_xla_context()) == 64
+        return finite.finite_flags(values)
+
+    assert flags(values).numpy().tolist() == [True, True, False, False, True]
+    assert [unit.members for unit in units] == [[0, 1, 2, 3, 4]]
+
+
 # -- unknown shapes: from an outside review -------------------------------------------
 
 import ml_dtypes  # noqa: E402
