@@ -28,10 +28,10 @@ layers) are stacked and reduced together, each still answered for itself
 and XLA fuses the stack into the reduction (not into the matrix-vector form's
 dot: there XLA's CPU backend copies the stack, about 5 µs per 64x64 gradient
 per step, which is kept because a product per gradient costs every compile 30
-to 100 ms per gradient; docs/benchmarks.md, session 24). Outside XLA each gradient is
-read alone: there a stack is a copy of its members every step, which costs
-more than the reductions it saves (the check, `finite_flags`, and the
-magnitudes the scale boundaries read, `largest_magnitudes`, alike).
+to 100 ms per gradient; docs/benchmarks.md, session 24). Outside XLA each
+gradient is read alone: there a stack is a copy of its members every step,
+which costs more than the reductions it saves (the check, `finite_flags`, and
+the magnitudes the scale boundaries read, `largest_magnitudes`, alike).
 """
 
 from __future__ import annotations

@@ -339,8 +339,8 @@ def test_tensors_of_one_shape_read_together_answer_each_for_itself(data, run_mod
     """Small tensors of one dtype and shape are reduced as one stack
     (`finite.STACK_MAX_ELEMENTS`): every answer must still be its own tensor's,
     in its place, whatever the mix of shapes, dtypes and sizes around it."""
-    kinds = data.draw(st.lists(st.tuples(st.sampled_from(FLOAT_DTYPES),
-                                         st.sampled_from([(3,), (2, 2), (1,), (32, 64), (40000,)])),
+    shapes = [(3,), (2, 2), (1,), (32, 64), (40000,)]  # (32, 64): the matrix-vector form
+    kinds = data.draw(st.lists(st.tuples(st.sampled_from(FLOAT_DTYPES), st.sampled_from(shapes)),
                                min_size=1, max_size=3, unique=True))
     # Up to 40: runs of more than `finite.STACK_MAX_MEMBERS` equal tensors, read in stacks.
     picks = data.draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=40))
@@ -404,7 +404,6 @@ def test_a_long_run_of_equal_tensors_is_read_in_stacks_of_at_most_16():
                            (compiled_flags, compiled_largest)]:
         assert flags.numpy().tolist() == [k != 21 for k in range(40)]
         assert [float(x) for x in largest] == expected_largest
-
 
 
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float64], ids=lambda d: d.name)
