@@ -8,7 +8,8 @@ The rule, in one sentence:
     multiplied by `loss_scale()` by hand, which tfdls cannot see) by the
     scale as it is now. (`get_unscaled_gradients` without its variables:
     the recorded scale while any variable of the optimizer has not been
-    updated since that call.)
+    updated since that call; traced before the optimizer is built, only after
+    its own function's `scale_loss`, else it raises: `_check_unbuilt_answer_holds`.)
 
 `apply` changes the scale (one step of its state machine per `apply`), so the
 live scale is not what multiplied gradients that a second `apply` of the same
@@ -23,6 +24,8 @@ takes that call's scale without reading the record back (`tfdls._carried_scale`)
 """
 
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -45,6 +48,9 @@ class ScaleRecord(tf.Module):
             # count when it was last given to apply (made by `build`).
             self.records = state_variable("records", 0, tf.int64)
         self.applied_at = None
+        # The graphs (functions being traced, TF1 graphs) in which `record` ran: see
+        # `_unbuilt_answer_holds`.
+        self._recorded_in = weakref.WeakSet()
 
     def build(self, count):
         """Makes the per-variable state for an optimizer of `count` variables."""
@@ -55,6 +61,8 @@ class ScaleRecord(tf.Module):
         """`scale_loss`: `scale` multiplies this step's loss."""
         self.scale.assign(scale)
         self.records.assign_add(1)
+        if not tf.executing_eagerly():
+            self._recorded_in.add(tf.compat.v1.get_default_graph())
 
     def scale_for(self, live_scale, positions=None):
         """The scale the gradients of the variables at `positions` (all, if None) were
@@ -84,6 +92,7 @@ class ScaleRecord(tf.Module):
 
     def _scale_for(self, records, live_scale, positions):
         if self.applied_at is None:  # not built: nothing applied yet
+            self._check_unbuilt_answer_holds()
             fresh = records > 0
         else:
             applied_at = tf.convert_to_tensor(self.applied_at)
@@ -96,6 +105,29 @@ class ScaleRecord(tf.Module):
                     applied_at = tf.gather(applied_at, tf.constant(positions, tf.int32))
                 fresh = tf.reduce_all(applied_at < records)
         return tf.where(fresh, tf.convert_to_tensor(self.scale), live_scale)
+
+    def _check_unbuilt_answer_holds(self):
+        """Raises where "nothing applied since the record" would be a guess.
+
+        Unbuilt, no `apply` has run or been traced (it builds first). Eagerly that is
+        the answer. A graph (a function being traced) runs later, maybe after applies
+        it does not contain, and keeps what it read now: the answer holds only where
+        this graph recorded before this read (its own `scale_loss`, then no apply: one
+        would have built the optimizer). Else it raises rather than guess (an earlier
+        `scale_loss` and later applies made it divide by a stale recorded scale).
+        """
+        if tf.executing_eagerly() or tf.compat.v1.get_default_graph() in self._recorded_in:
+            return
+        raise ValueError(
+            "tfdls: get_unscaled_gradients() is traced before this optimizer is built, with "
+            "trainable_variables=None, in a function (or graph) that has not called "
+            "scale_loss() or get_scaled_loss() before it: which scale multiplied these "
+            "gradients depends on apply() calls "
+            "that run after this trace, which it cannot see. Build the optimizer first "
+            "(optimizer.build(model.trainable_variables)), pass "
+            "trainable_variables=[...] to get_unscaled_gradients, or call "
+            "get_scaled_loss() earlier in the same function."
+        )
 
     def _all(self, positions):
         return sorted(positions) == list(range(self.applied_at.shape[0]))

@@ -38,6 +38,11 @@ def _apply_unbuilt_without_variables():
     tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1)).apply([tf.ones(2)])
 
 
+def _unscaled_traced_unbuilt():
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    tf.function(lambda g: opt.get_unscaled_gradients([g]))(tf.ones(2))
+
+
 def _apply_unknown_variable():
     opt, _ = _built_optimizer()
     opt.apply([tf.ones(2)], [keras.Variable(np.ones(2, "float32"), name="other")])
@@ -237,6 +242,10 @@ CASES = {
     ],
     "`apply(grads)` without variables on an unbuilt optimizer": [
         (_apply_unbuilt_without_variables, ValueError, r"trainable_variables"),
+    ],
+    "`get_unscaled_gradients(grads)` traced before the optimizer is built, without its function's `scale_loss` before it": [
+        (_unscaled_traced_unbuilt, ValueError, r"get_unscaled_gradients\(\) is traced before "
+                                               r"this optimizer is built"),
     ],
     "`apply` with a variable the optimizer was not built with": [
         (_apply_unknown_variable, ValueError, r"other"),

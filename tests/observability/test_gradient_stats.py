@@ -116,6 +116,7 @@ def test_unscaled_gradients_are_scaled_back_for_the_figures():
     opt = tfdls.LossScaleOptimizer(
         keras.optimizers.SGD(0.1), tfdls.DynamicLossScale(SCALE), gradient_stats=True
     )
+    opt.build([w])  # get_unscaled_gradients is traced with no scale_loss before it
 
     @tf.function
     def step(scaled):

@@ -357,6 +357,79 @@ def test_a_hand_scaled_step_after_a_scale_loss_step_divides_by_the_scale_now(mod
     _assert_state(opt, a, b, values, reference)
 
 
+# -- rule A: get_unscaled_gradients traced before the optimizer is built -----------------
+
+
+def _unscaled_step(opt, a, b, how):
+    """A tf_keras style step, get_unscaled_gradients traced before apply_gradients builds
+    the optimizer: the loss multiplied by loss_scale() by hand ("hand"; "hand_named" with
+    the variables passed) or by get_scaled_loss in the same function ("scaled")."""
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = _quadratic_loss(a, b)
+            scaled = opt.get_scaled_loss(loss) if how == "scaled" else loss * opt.loss_scale()
+        grads = tape.gradient(scaled, [a, b])
+        unscaled = opt.get_unscaled_gradients(grads, [a, b] if how == "hand_named" else None)
+        opt.apply_gradients(zip(unscaled, [a, b]))
+
+    return step
+
+
+def _unscaled_reference_steps(opt, a, b, how, reference, values, steps=STEPS):
+    for _ in range(steps):
+        multiplier = reference.scale_loss() if how == "scaled" else reference.hand_scale()
+        reference.apply(values, {n: K[n] * (values[n] - TARGET[n]) * multiplier for n in "ab"})
+
+
+UNBUILT_CASES = [(mode, how) for mode in MODES for how in ["hand", "hand_named", "scaled"]
+                 if how != "hand" or mode == "eager"]
+
+
+@pytest.mark.parametrize("mode, how", slow_except(UNBUILT_CASES, [("function", "hand_named"),
+                                                                 ("function", "scaled")]))
+def test_get_unscaled_gradients_traced_before_the_build_divides_by_what_multiplied(mode, how):
+    """After a scale_loss that was never applied (a look at a scaled loss), every step
+    divides by the scale that multiplied its loss: by hand, the scale now (the record
+    is stale once the variables were updated); by get_scaled_loss, its record. (The
+    trace read the record before apply built the optimizer and is not traced again.)"""
+    a, b = _variables()
+    opt = _optimizer()
+    reference = ScaleReference()
+    opt.scale_loss(tf.constant(0.0))
+    reference.scale_loss()
+    step = _wrap(_unscaled_step(opt, a, b, how), mode)
+    values = {"a": np.float64(0.0), "b": np.zeros(2)}
+    for _ in range(STEPS):
+        step()
+        _unscaled_reference_steps(opt, a, b, how, reference, values, steps=1)
+        _assert_state(opt, a, b, values, reference)
+
+
+@pytest.mark.parametrize("mode", slow_except(["function", "xla"], ["function"]))
+def test_get_unscaled_gradients_traced_before_the_build_without_its_record_is_refused(mode):
+    """Hand-scaled, the variables not passed, nothing recorded in the function: what the
+    trace would read depends on applies after it (here, one that makes the earlier
+    scale_loss's record stale). Refused, nothing changed; built first, the step is exact."""
+    a, b = _variables()
+    opt = _optimizer()
+    reference = ScaleReference()
+    opt.scale_loss(tf.constant(0.0))
+    reference.scale_loss()
+    step = _wrap(_unscaled_step(opt, a, b, "hand"), mode)
+    with pytest.raises(ValueError, match=r"get_unscaled_gradients\(\) is traced before this "
+                                         r"optimizer is built.*optimizer\.build\("):
+        step()
+    values = {"a": np.float64(0.0), "b": np.zeros(2)}
+    _assert_state(opt, a, b, values, reference)
+    opt.build([a, b])
+    step = _wrap(_unscaled_step(opt, a, b, "hand"), mode)
+    for _ in range(STEPS):
+        step()
+    _unscaled_reference_steps(opt, a, b, "hand", reference, values)
+    _assert_state(opt, a, b, values, reference)
+
+
 # -- rule C: partial unscaling -----------------------------------------------------------
 
 

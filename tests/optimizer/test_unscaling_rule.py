@@ -176,6 +176,8 @@ def test_after_get_unscaled_gradients_apply_divides_none():
     opt = tfdls.LossScaleOptimizer(
         keras.optimizers.SGD(1.0), tfdls.DynamicLossScale(SCALE, increment_period=10**6)
     )
+    # Traced with no scale_loss before it, get_unscaled_gradients needs a built optimizer.
+    opt.build([w, b])
 
     @tf.function
     def unscale(scaled_w, scaled_b):
@@ -201,6 +203,7 @@ def test_a_gradient_applied_beside_unscaled_ones_but_never_unscaled_is_refused()
     opt = tfdls.LossScaleOptimizer(
         keras.optimizers.SGD(1.0), tfdls.DynamicLossScale(SCALE, increment_period=10**6)
     )
+    opt.build([w, b])  # as above
 
     @tf.function
     def step(scaled_w, given_b):
