@@ -52,7 +52,7 @@ def _floor_to_power_of_two(value):
     return tf.bitcast(tf.bitwise.bitwise_and(bits, sign_and_exponent), tf.float32)
 
 
-def _read_scale(variable, powers_of_two, minimum=None, maximum=None):
+def _read_scale(variable, powers_of_two, minimum=None, maximum=None, if_nan=None):
     """A scale variable's value, as the scale's configuration allows it to be.
 
     The variable holds such a value unless something else wrote it (a
@@ -61,14 +61,22 @@ def _read_scale(variable, powers_of_two, minimum=None, maximum=None):
     value clamped to ``[minimum, maximum]`` (so that a check of the scaled
     gradients, chosen because the scale cannot fall below 1, stays right)
     and, for a scale that only takes powers of two, the power of two below
-    it (so that dividing by a multiplication stays exact).
+    it (so that dividing by a multiplication stays exact). With `minimum`
+    given, the scale is a dynamic one, which is never inf or NaN: without
+    `maximum` it is clamped to the largest finite float32, and a NaN reads as
+    `if_nan` (Keras' layout of a `.keras` file is read the same way).
     """
     value = tf.convert_to_tensor(variable)
-    if minimum is not None:
-        value = tf.maximum(value, minimum)
-    if maximum is not None:
-        value = tf.minimum(value, maximum)
+    if minimum is None:
+        return _floor_to_power_of_two(value) if powers_of_two else value
+    # NaN passes through maximum and minimum: replaced first.
+    value = tf.where(tf.math.is_nan(value), tf.constant(if_nan, value.dtype), value)
+    value = tf.minimum(tf.maximum(value, minimum), _LARGEST_FLOAT32 if maximum is None
+                       else maximum)
     return _floor_to_power_of_two(value) if powers_of_two else value
+
+
+_LARGEST_FLOAT32 = float(np.finfo(np.float32).max)
 
 
 def _check_int(name, value, minimum):
@@ -271,8 +279,9 @@ class DynamicLossScale(LossScale):
     a value written into ``current_loss_scale`` from elsewhere (a checkpoint
     of a differently configured scale) is read as the power of two below it.
     Dividing gradients by the scale is then an exact multiplication. Such a
-    value is also read clamped to ``[min_loss_scale, max_loss_scale]``: the
-    scale in use always respects the bounds.
+    value is also read clamped to ``[min_loss_scale, max_loss_scale]`` (inf,
+    without ``max_loss_scale``, as the largest finite float32) and a NaN as
+    ``initial_loss_scale``: the scale in use always respects the bounds.
 
     Two counters are kept for monitoring (they do not affect the algorithm):
     ``num_skipped_steps`` (total steps with non-finite gradients) and
@@ -424,7 +433,7 @@ class DynamicLossScale(LossScale):
     def _current(self):
         return _read_scale(
             self.current_loss_scale, self._powers_of_two, self._min_loss_scale,
-            self._max_loss_scale,
+            self._max_loss_scale, if_nan=self._initial_loss_scale,
         )
 
     def update(self, grads: Any) -> tuple[Any, tf.Tensor]:

@@ -289,3 +289,45 @@ def test_a_restored_scale_below_the_minimum_is_read_at_the_minimum(mode):
     # 60000 / 1 is finite: applied, not an Inf written past the check.
     assert np.all(np.isfinite(w.numpy().astype(np.float64)))
     assert int(opt.loss_scale.num_skipped_steps.numpy()) == 0
+
+
+# (written value, DynamicLossScale keyword arguments, the scale it must be read as)
+_FOREIGN_NONFINITE = [
+    (float("inf"), {}, 2.0**127),  # the largest float32 power of two
+    (-float("inf"), {}, 1.0),  # below the minimum
+    (float("nan"), {}, 1024.0),  # the initial scale
+    (-float("nan"), {}, 1024.0),
+    (float("inf"), {"max_loss_scale": 2.0**20}, 2.0**20),
+    (float("inf"), {"multiplier": 1.5}, float(np.finfo(np.float32).max)),  # not powers of two
+    (float("nan"), {"multiplier": 1.5}, 1024.0),
+]
+
+
+@pytest.mark.parametrize("mode", slow_except(MODES, ["function"]))
+@pytest.mark.parametrize("written, kwargs, read", _FOREIGN_NONFINITE,
+                         ids=["inf", "-inf", "nan", "-nan", "inf-max", "inf-1.5", "nan-1.5"])
+def test_a_written_nonfinite_scale_is_read_finite_and_training_goes_on(written, kwargs, read,
+                                                                       mode):
+    """Inf or NaN written into the scale's variable (an assignment, a checkpoint written
+    elsewhere) is read as the class docstring says the scale always is: finite, within
+    the bounds (inf at the maximum, the largest float32 without one; NaN as the initial
+    scale, as the `.keras` loader reads it), and the steps after it apply and divide by it."""
+    w = keras.Variable(np.zeros(2, "float32"), name="w")
+    ls = tfdls.DynamicLossScale(1024.0, increment_period=10**6, **kwargs)
+    opt = tfdls.LossScaleOptimizer(keras.optimizers.SGD(1.0), ls)
+    opt.build([w])
+    ls.current_loss_scale.assign(written)
+    assert float(_wrap(ls, mode)().numpy()) == read
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = opt.scale_loss(tf.reduce_sum(w) * 2.0**-100)
+        opt.apply(tape.gradient(loss, [w]), [w])
+
+    step = _wrap(step, mode)
+    for i in range(3):
+        step()
+        # d loss / dw = 2**-100: scaled by `read` (finite in float32) and divided back.
+        np.testing.assert_array_equal(w.numpy(), np.float32(-(i + 1) * 2.0**-100))
+    assert int(ls.num_skipped_steps.numpy()) == 0
+    assert float(ls().numpy()) == read
