@@ -299,9 +299,10 @@ def _boundary_step(model, opt):
 def _shared_below_two_boundaries():
     shared = keras.layers.Dense(2, name="twice")
     inputs = keras.Input((2,))
-    h = shared(keras.layers.Dense(2)(inputs))
-    h = shared(keras.layers.Dense(2)(h))
-    tfdls.add_scale_boundaries(keras.Model(inputs, keras.layers.Dense(1)(h)))
+    h = shared(keras.layers.Dense(2)(tfdls.UnscaledInput()(inputs)))
+    h = shared(keras.layers.Dense(2)(tfdls.ScaleBoundary(name="between")(h)))
+    model = keras.Model(inputs, keras.layers.Dense(1)(h))
+    tfdls.LossScaleOptimizer(SGD(0.1), scale_boundaries=model)
 
 
 def _stranger_with_boundaries():
@@ -411,7 +412,7 @@ CASES.update({
     "`apply` of gradients that crossed boundaries the optimizer was not given": [
         (_unknown_boundaries, ValueError, r"crossed the scale boundaries \['b'\]"),
     ],
-    "`add_scale_boundaries` of a model calling one layer below different boundaries": [
+    "`scale_boundaries=` a model calling one layer below different boundaries (placed by hand; `add_scale_boundaries` places none there)": [
         (_shared_below_two_boundaries, ValueError, r"layer 'twice' is called at more than one place"),
     ],
     "`apply` after a layer below a boundary added a loss (`add_loss`)": [

@@ -421,14 +421,36 @@ def test_a_loss_added_below_a_boundary_is_refused_above_it_trains(where):
         assert int(optimizer.iterations.numpy()) == 1
 
 
-def test_a_layer_shared_below_different_boundaries_is_refused_by_name():
+def _shared_layer_model(boundary=False, twice_in_a_row=False):
+    """a -> shared -> b -> shared -> head (or a -> shared -> shared -> head), optionally
+    with a boundary placed by hand between the two calls of `shared`."""
     shared = keras.layers.Dense(4, name="shared")
     inputs = keras.Input((4,))
     h = shared(keras.layers.Dense(4, name="a")(inputs))
-    h = shared(keras.layers.Dense(4, name="b")(h))
-    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(h))
+    if boundary:
+        h = tfdls.ScaleBoundary(name="between")(h)
+    h = shared(h if twice_in_a_row else keras.layers.Dense(4, name="b")(h))
+    return keras.Model(inputs, keras.layers.Dense(1, name="head")(h))
+
+
+def test_a_layer_shared_below_different_boundaries_is_refused_by_name():
     with pytest.raises(ValueError, match="layer 'shared' is called at more than one place"):
-        tfdls.add_scale_boundaries(model, every=1)
+        boundaries_lib.read_boundaries(_shared_layer_model(boundary=True))
+
+
+@pytest.mark.parametrize("twice_in_a_row", [False, True])
+def test_placement_never_cuts_between_two_calls_of_one_layer(twice_in_a_row):
+    """add_scale_boundaries leaves out the cuts between the calls (where its own check
+    would refuse the boundary it placed) and keeps the others: after `a` and above the
+    second call."""
+    model = _shared_layer_model(twice_in_a_row=twice_in_a_row)
+    placed = tfdls.add_scale_boundaries(model, every=1)
+    found = boundaries_lib.read_boundaries(placed)
+    below = sorted(node.input_tensors[0]._keras_history.operation.name
+                   for b in found.boundaries for node in b._inbound_nodes)
+    assert below == ["a", "shared"]
+    x = np.random.default_rng(0).normal(size=(5, 4)).astype("float32")
+    np.testing.assert_array_equal(placed(x).numpy(), model(x).numpy())
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,8 @@ def add_scale_boundaries(model, every: int = 1, **boundary_kwargs: Any):
     where every path from the layers below to the outputs passes: in a
     Sequential model after any layer, in a functional model at a tensor that
     is the only one computed so far and still needed (after a residual add,
-    never inside the block it closes). None goes above the last layer with
-    weights.
+    never inside the block it closes), and never between two calls of one
+    layer. None goes above the last layer with weights.
 
     Args:
         model: a Sequential or functional `keras.Model` without boundaries.
@@ -110,9 +110,15 @@ def _add_to_functional(model, every, boundary_kwargs):
     inputs = {id(t) for t in model.inputs}
     outputs = {id(t) for t in model.outputs}
     last_use = {}
+    calls = {}  # a layer -> the positions of its calls
     for position, node in enumerate(nodes):
         for tensor in node.input_tensors:
             last_use[id(tensor)] = position
+        calls.setdefault(id(node.operation), []).append(position)
+    # No cut between two calls of one layer: each call would be below other
+    # boundaries, which the optimizer refuses (`read_boundaries`).
+    inside_a_shared_layer = {p for places in calls.values()
+                             for p in range(places[0], places[-1])}
     # Cut points: after a node, the only live tensor (computed, not a model
     # input, still needed later) is its single output. A boundary goes at the
     # last cut before the next layer with weights, once `every` such layers
@@ -133,6 +139,7 @@ def _add_to_functional(model, every, boundary_kwargs):
             since += 1
         outs = node.output_tensors
         if (since >= every and len(outs) == 1 and live == {id(outs[0])}
+                and position not in inside_a_shared_layer
                 and id(outs[0]) not in outputs and id(outs[0]) not in inputs
                 and "float" in str(outs[0].dtype)):
             pending = id(outs[0])
