@@ -284,6 +284,12 @@ def is_cond_branch(graph):
     return isinstance(graph, _func_graphs.CondBranchFuncGraph)
 
 
+def is_control_flow(graph):
+    """True for the graph of a `tf.cond` branch or a `tf.while_loop` body or condition."""
+    return isinstance(graph, (_func_graphs.CondBranchFuncGraph, _func_graphs.WhileBodyFuncGraph,
+                              _func_graphs.WhileCondFuncGraph))
+
+
 def op_determinism_enabled():
     """`tf.config.experimental.enable_op_determinism()` is on (no public getter)."""
     return _tf_config.is_op_determinism_enabled()

@@ -30,6 +30,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from tfdls import _compat
 from tfdls._distribute import state_variable
 
 
@@ -62,7 +63,7 @@ class ScaleRecord(tf.Module):
         self.scale.assign(scale)
         self.records.assign_add(1)
         if not tf.executing_eagerly():
-            self._recorded_in.add(tf.compat.v1.get_default_graph())
+            self._recorded_in.update(_graphs_that_run_it(tf.compat.v1.get_default_graph()))
 
     def scale_for(self, live_scale, positions=None):
         """The scale the gradients of the variables at `positions` (all, if None) were
@@ -111,23 +112,43 @@ class ScaleRecord(tf.Module):
 
         Unbuilt, no `apply` has run or been traced (it builds first). Eagerly that is
         the answer. A graph (a function being traced) runs later, maybe after applies
-        it does not contain, and keeps what it read now: the answer holds only where
-        this graph recorded before this read (its own `scale_loss`, then no apply: one
-        would have built the optimizer). Else it raises rather than guess (an earlier
-        `scale_loss` and later applies made it divide by a stale recorded scale).
+        it does not contain, and keeps what it read now: the answer holds only where a
+        record runs before this read whenever the read runs, with no apply between
+        (one would have built the optimizer): this graph recorded before it (its own
+        `scale_loss`, or a `tf.function` it called that did), or the graph around a
+        `tf.cond` branch did. Else it raises rather than guess (an earlier `scale_loss`
+        and later applies made it divide by a stale recorded scale). A loop body or a
+        nested `tf.function` that reads is not covered by a record around it: it may
+        run again (a later iteration, a later call) after an apply.
         """
-        if tf.executing_eagerly() or tf.compat.v1.get_default_graph() in self._recorded_in:
+        if tf.executing_eagerly():
+            return
+        graph = tf.compat.v1.get_default_graph()
+        while graph not in self._recorded_in and _compat.is_cond_branch(graph):
+            graph = graph.outer_graph
+        if graph in self._recorded_in:
             return
         raise ValueError(
-            "tfdls: get_unscaled_gradients() is traced before this optimizer is built, with "
-            "trainable_variables=None, in a function (or graph) that has not called "
-            "scale_loss() or get_scaled_loss() before it: which scale multiplied these "
-            "gradients depends on apply() calls "
-            "that run after this trace, which it cannot see. Build the optimizer first "
-            "(optimizer.build(model.trainable_variables)), pass "
-            "trainable_variables=[...] to get_unscaled_gradients, or call "
-            "get_scaled_loss() earlier in the same function."
+            "tfdls: get_unscaled_gradients() is traced before this optimizer is built, in "
+            f"a graph ({getattr(graph, 'name', graph)!r}) where no scale_loss() or "
+            "get_scaled_loss() of it runs before: which scale multiplied these gradients "
+            "depends on apply() calls that may run between them, which this trace cannot "
+            "see. Build the optimizer first (optimizer.build(model.trainable_variables)), "
+            "or call get_scaled_loss() earlier in the same function (not outside a loop "
+            "or a nested tf.function that calls get_unscaled_gradients)."
         )
 
     def _all(self, positions):
         return sorted(positions) == list(range(self.applied_at.shape[0]))
+
+
+def _graphs_that_run_it(graph):
+    """`graph`, and each graph around it whose every run runs it: a `tf.function`'s graph
+    is called where it was traced, as a whole; a `tf.cond` branch or a loop body may not
+    run (or run again), so the graph around it is not included."""
+    graphs = [graph]
+    while (getattr(graph, "building_function", False) and not _compat.is_control_flow(graph)
+           and getattr(graph, "outer_graph", None) is not None):
+        graph = graph.outer_graph
+        graphs.append(graph)
+    return graphs

@@ -365,11 +365,11 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
 
         With `scale_boundaries`, pass the variables too
         (``trainable_variables``, in the order of `grads`): each gradient is
-        divided by the loss scale times its boundaries' factors. Given, they
-        build an unbuilt optimizer. Traced in a `tf.function` before the
-        optimizer is built, without them, it needs the function's own
-        `scale_loss`/`get_scaled_loss` before it, else it raises a
-        `ValueError` (see docs/optimizer.md, "What apply divides by").
+        divided by the loss scale times its boundaries' factors. Traced in a
+        `tf.function` before the optimizer is built, it needs a
+        `scale_loss`/`get_scaled_loss` that runs before it in that function,
+        else it raises a `ValueError` (docs/optimizer.md, "What apply divides
+        by").
 
         Example:
 
@@ -395,7 +395,7 @@ class LossScaleOptimizer(_keras_style.KerasNames, keras.optimizers.LossScaleOpti
                 f"get_unscaled_gradients got {len(grads)} gradients for {len(variables)} "
                 "trainable_variables; they must match one to one."
             )
-        if variables is not None and not self.built:
+        if variables is not None and self._boundary_scales is not None and not self.built:
             self._build_first(variables)
         positions = None if variables is None or not self.built else self._positions(variables)
         _, scale = self._scales(positions)

@@ -243,7 +243,7 @@ CASES = {
     "`apply(grads)` without variables on an unbuilt optimizer": [
         (_apply_unbuilt_without_variables, ValueError, r"trainable_variables"),
     ],
-    "`get_unscaled_gradients(grads)` traced before the optimizer is built, without its function's `scale_loss` before it": [
+    "`get_unscaled_gradients(grads)` traced before the optimizer is built, with no `scale_loss` running before it whenever it runs": [
         (_unscaled_traced_unbuilt, ValueError, r"get_unscaled_gradients\(\) is traced before "
                                                r"this optimizer is built"),
     ],

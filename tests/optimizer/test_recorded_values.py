@@ -361,33 +361,59 @@ def test_a_hand_scaled_step_after_a_scale_loss_step_divides_by_the_scale_now(mod
 
 
 def _unscaled_step(opt, a, b, how):
-    """A tf_keras style step, get_unscaled_gradients traced before apply_gradients builds
-    the optimizer: the loss multiplied by loss_scale() by hand ("hand"; "hand_named" with
-    the variables passed) or by get_scaled_loss in the same function ("scaled")."""
+    """A tf_keras style step whose get_unscaled_gradients is traced before apply_gradients
+    builds the optimizer. The loss multiplied by loss_scale() by hand ("hand";
+    "hand_named": the variables passed) or by get_scaled_loss: in the same function
+    ("scaled"), in a tf.function it calls ("scaled_in_helper"), before a tf.cond whose
+    branch unscales and applies ("scaled_then_cond"), before a loop or a nested
+    tf.function that does ("scaled_then_loop", "scaled_then_nested")."""
+
+    def scaled_loss():
+        loss = _quadratic_loss(a, b)
+        return loss * opt.loss_scale() if how.startswith("hand") else opt.get_scaled_loss(loss)
+
+    def unscale_and_apply(grads):
+        named = [a, b] if how == "hand_named" else None
+        opt.apply_gradients(zip(opt.get_unscaled_gradients(grads, named), [a, b]))
+
+    helper = tf.function(scaled_loss)
+    nested = tf.function(unscale_and_apply)
 
     def step():
         with tf.GradientTape() as tape:
-            loss = _quadratic_loss(a, b)
-            scaled = opt.get_scaled_loss(loss) if how == "scaled" else loss * opt.loss_scale()
+            scaled = helper() if how == "scaled_in_helper" else scaled_loss()
         grads = tape.gradient(scaled, [a, b])
-        unscaled = opt.get_unscaled_gradients(grads, [a, b] if how == "hand_named" else None)
-        opt.apply_gradients(zip(unscaled, [a, b]))
+        if how == "scaled_then_cond":
+            tf.cond(tf.reduce_sum(b) < 1e9, lambda: unscale_and_apply(grads) or tf.no_op(),
+                    tf.no_op)
+        elif how == "scaled_then_loop":
+            for _ in tf.range(1):
+                unscale_and_apply(grads)
+        elif how == "scaled_then_nested":
+            nested(grads)
+        else:
+            unscale_and_apply(grads)
 
     return step
 
 
-def _unscaled_reference_steps(opt, a, b, how, reference, values, steps=STEPS):
-    for _ in range(steps):
-        multiplier = reference.scale_loss() if how == "scaled" else reference.hand_scale()
-        reference.apply(values, {n: K[n] * (values[n] - TARGET[n]) * multiplier for n in "ab"})
+def _unscaled_reference_step(how, reference, values):
+    multiplier = reference.hand_scale() if how.startswith("hand") else reference.scale_loss()
+    reference.apply(values, {n: K[n] * (values[n] - TARGET[n]) * multiplier for n in "ab"})
 
 
-UNBUILT_CASES = [(mode, how) for mode in MODES for how in ["hand", "hand_named", "scaled"]
-                 if how != "hand" or mode == "eager"]
+# Where a record runs before the read whenever the read runs, with no apply between.
+EXACT_UNBUILT = ["scaled", "scaled_in_helper", "scaled_then_cond"]
+# Where the read could run after an apply that followed the record: a loss scaled by
+# hand, a loop body, a nested function (a later iteration or call).
+REFUSED_UNBUILT = ["hand", "hand_named", "scaled_then_loop", "scaled_then_nested"]
+UNBUILT_CASES = ([("eager", how) for how in ["hand", "hand_named", "scaled"]]
+                 + [(mode, how) for mode in ["function", "xla"] for how in EXACT_UNBUILT])
 
 
-@pytest.mark.parametrize("mode, how", slow_except(UNBUILT_CASES, [("function", "hand_named"),
-                                                                 ("function", "scaled")]))
+@pytest.mark.parametrize("mode, how", slow_except(UNBUILT_CASES, [
+    ("eager", "hand"), ("function", "scaled"), ("function", "scaled_in_helper"),
+    ("function", "scaled_then_cond")]))
 def test_get_unscaled_gradients_traced_before_the_build_divides_by_what_multiplied(mode, how):
     """After a scale_loss that was never applied (a look at a scaled loss), every step
     divides by the scale that multiplied its loss: by hand, the scale now (the record
@@ -402,31 +428,52 @@ def test_get_unscaled_gradients_traced_before_the_build_divides_by_what_multipli
     values = {"a": np.float64(0.0), "b": np.zeros(2)}
     for _ in range(STEPS):
         step()
-        _unscaled_reference_steps(opt, a, b, how, reference, values, steps=1)
+        _unscaled_reference_step(how, reference, values)
         _assert_state(opt, a, b, values, reference)
 
 
+@pytest.mark.parametrize("how", REFUSED_UNBUILT)
 @pytest.mark.parametrize("mode", slow_except(["function", "xla"], ["function"]))
-def test_get_unscaled_gradients_traced_before_the_build_without_its_record_is_refused(mode):
-    """Hand-scaled, the variables not passed, nothing recorded in the function: what the
-    trace would read depends on applies after it (here, one that makes the earlier
-    scale_loss's record stale). Refused, nothing changed; built first, the step is exact."""
+def test_get_unscaled_gradients_traced_before_the_build_without_its_record_is_refused(
+        mode, how):
+    """Traced before the build where no record runs before the read whenever the read
+    runs: what the trace would read depends on applies after it (here, one that makes
+    the earlier scale_loss's record stale). Refused, nothing changed; built first, the
+    step is exact."""
     a, b = _variables()
     opt = _optimizer()
     reference = ScaleReference()
     opt.scale_loss(tf.constant(0.0))
     reference.scale_loss()
-    step = _wrap(_unscaled_step(opt, a, b, "hand"), mode)
+    step = _wrap(_unscaled_step(opt, a, b, how), mode)
     with pytest.raises(ValueError, match=r"get_unscaled_gradients\(\) is traced before this "
                                          r"optimizer is built.*optimizer\.build\("):
         step()
     values = {"a": np.float64(0.0), "b": np.zeros(2)}
     _assert_state(opt, a, b, values, reference)
     opt.build([a, b])
-    step = _wrap(_unscaled_step(opt, a, b, "hand"), mode)
+    step = _wrap(_unscaled_step(opt, a, b, how), mode)
     for _ in range(STEPS):
         step()
-    _unscaled_reference_steps(opt, a, b, "hand", reference, values)
+        _unscaled_reference_step(how, reference, values)
+    _assert_state(opt, a, b, values, reference)
+
+
+def test_unscaling_some_variables_eagerly_leaves_the_optimizer_unbuilt():
+    """Eagerly, the gradients unscaled group by group with their variables named: the
+    first call does not build the optimizer with its group alone (the apply of both
+    would be refused), and the step is exact."""
+    a, b = _variables()
+    opt = _optimizer()
+    reference = ScaleReference()
+    with tf.GradientTape() as tape:
+        scaled = opt.get_scaled_loss(_quadratic_loss(a, b))
+    g_a, g_b = tape.gradient(scaled, [a, b])
+    (u_a,) = opt.get_unscaled_gradients([g_a], [a])
+    (u_b,) = opt.get_unscaled_gradients([g_b], [b])
+    opt.apply_gradients(zip([u_a, u_b], [a, b]))
+    values = {"a": np.float64(0.0), "b": np.zeros(2)}
+    _unscaled_reference_step("scaled", reference, values)
     _assert_state(opt, a, b, values, reference)
 
 
