@@ -402,6 +402,17 @@ def _unscaled_reference_step(how, reference, values):
     reference.apply(values, {n: K[n] * (values[n] - TARGET[n]) * multiplier for n in "ab"})
 
 
+def _after_an_unapplied_scale_loss():
+    """Fresh variables, an unbuilt optimizer and its reference, after one scale_loss that
+    no apply follows (a look at a scaled loss): the record that may go stale."""
+    a, b = _variables()
+    opt = _optimizer()
+    reference = ScaleReference()
+    opt.scale_loss(tf.constant(0.0))
+    reference.scale_loss()
+    return a, b, opt, reference
+
+
 # Where a record runs before the read whenever the read runs, with no apply between.
 EXACT_UNBUILT = ["scaled", "scaled_in_helper", "scaled_then_cond"]
 # Where the read could run after an apply that followed the record: a loss scaled by
@@ -419,11 +430,7 @@ def test_get_unscaled_gradients_traced_before_the_build_divides_by_what_multipli
     divides by the scale that multiplied its loss: by hand, the scale now (the record
     is stale once the variables were updated); by get_scaled_loss, its record. (The
     trace read the record before apply built the optimizer and is not traced again.)"""
-    a, b = _variables()
-    opt = _optimizer()
-    reference = ScaleReference()
-    opt.scale_loss(tf.constant(0.0))
-    reference.scale_loss()
+    a, b, opt, reference = _after_an_unapplied_scale_loss()
     step = _wrap(_unscaled_step(opt, a, b, how), mode)
     values = {"a": np.float64(0.0), "b": np.zeros(2)}
     for _ in range(STEPS):
@@ -440,11 +447,7 @@ def test_get_unscaled_gradients_traced_before_the_build_without_its_record_is_re
     runs: what the trace would read depends on applies after it (here, one that makes
     the earlier scale_loss's record stale). Refused, nothing changed; built first, the
     step is exact."""
-    a, b = _variables()
-    opt = _optimizer()
-    reference = ScaleReference()
-    opt.scale_loss(tf.constant(0.0))
-    reference.scale_loss()
+    a, b, opt, reference = _after_an_unapplied_scale_loss()
     step = _wrap(_unscaled_step(opt, a, b, how), mode)
     with pytest.raises(ValueError, match=r"get_unscaled_gradients\(\) is traced before this "
                                          r"optimizer is built.*optimizer\.build\("):
