@@ -8,8 +8,9 @@ The rule, in one sentence:
     multiplied by `loss_scale()` by hand, which tfdls cannot see) by the
     scale as it is now. (`get_unscaled_gradients` without its variables:
     the recorded scale while any variable of the optimizer has not been
-    updated since that call; traced before the optimizer is built, only after
-    its own function's `scale_loss`, else it raises: `_check_unbuilt_answer_holds`.)
+    updated since that call; traced before the optimizer is built, only where
+    a `scale_loss` runs before it whenever it runs, else it raises:
+    `_check_unbuilt_answer_holds`.)
 
 `apply` changes the scale (one step of its state machine per `apply`), so the
 live scale is not what multiplied gradients that a second `apply` of the same
@@ -49,8 +50,8 @@ class ScaleRecord(tf.Module):
             # count when it was last given to apply (made by `build`).
             self.records = state_variable("records", 0, tf.int64)
         self.applied_at = None
-        # The graphs (functions being traced, TF1 graphs) in which `record` ran: see
-        # `_unbuilt_answer_holds`.
+        # The graphs (functions being traced, TF1 graphs) whose every run runs a
+        # `record`: see `_check_unbuilt_answer_holds`.
         self._recorded_in = weakref.WeakSet()
 
     def build(self, count):
